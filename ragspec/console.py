@@ -1,0 +1,39 @@
+"""The one rich console ragspec prints progress and warnings to (stderr, so stdout stays parseable)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+console = Console(stderr=True, highlight=False)
+
+
+def warn(message: str) -> None:
+    """One warning line."""
+    console.print(f"[yellow]warning:[/] {message}", soft_wrap=True)
+
+
+def progress() -> Progress:
+    """A progress display for long stages."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+@contextlib.contextmanager
+def status(message: str):
+    """A spinner for a stage of unknown length."""
+    if console.is_terminal:
+        with console.status(message):
+            yield
+    else:
+        console.print(message)
+        yield

@@ -1,0 +1,1 @@
+"""Evaluation: retrieval metrics now; attribution and decoding later."""

@@ -1,0 +1,357 @@
+"""`ragspec index`: corpus folder → index version on disk, incrementally and atomically."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ragspec.console import console, progress, warn
+from ragspec.corpus.chunker import ChunkerSettings, chunk_text
+from ragspec.corpus.loader import Document, ScanReport, SourceFile, read_file, walk
+from ragspec.errors import RagspecError
+from ragspec.index import faiss_index, layout, manifest
+from ragspec.index.reader import Index
+from ragspec.index.store import StoreWriter
+from ragspec.settings import IndexSettings
+
+STORE = "store.sqlite"
+FAISS = "faiss.index"
+EMBEDDINGS = "embeddings.npy"
+BM25_DIR = "bm25"
+
+
+@dataclass
+class BuildSummary:
+    path: Path
+    documents: int = 0
+    files: int = 0
+    skipped: int = 0
+    chunks: int = 0
+    embedded: int = 0
+    reused: int = 0
+    added: int = 0
+    changed: int = 0
+    deleted: int = 0
+    seconds: float = 0.0
+    embed_seconds: float = 0.0
+    factory: str = ""
+    index_type: str = ""
+    bytes: int = 0
+    up_to_date: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def chunks_per_s(self) -> float:
+        return self.embedded / self.embed_seconds if self.embed_seconds > 0 else 0.0
+
+
+def default_name(corpus: Path) -> str:
+    p = Path(corpus).resolve()
+    return p.stem if p.is_file() else p.name
+
+
+@dataclass
+class _Reuse:
+    """What a previous version holds for one source file."""
+
+    rows: list  # DocumentRow
+    sha256: str
+    size: int
+    mtime: float
+
+
+def build_index(
+    corpus: Path | str,
+    target: Path | str,
+    settings: IndexSettings = IndexSettings(),
+    embedder=None,
+    show_progress: bool = True,
+) -> BuildSummary:
+    """Build or update the index at `target` (a link to its current version) from `corpus`.
+
+    Unchanged files (same size and mtime, or same sha256) keep their chunks and vectors; only added and
+    changed files are embedded; deleted files are dropped. With nothing changed, nothing is written.
+    """
+    t0 = time.perf_counter()
+    corpus_given = str(corpus)
+    corpus = Path(corpus)
+    target = Path(target)
+    if not corpus.exists():
+        raise RagspecError(f"corpus path {corpus_given} does not exist")
+    summary = BuildSummary(path=target)
+    report = ScanReport()
+    if corpus.is_file():
+        root, only = corpus.parent, corpus.name
+        files = [f for f in walk(root, ScanReport()) if f.rel == only]  # only this file; siblings unreported
+        if not files:
+            raise RagspecError(f"{corpus_given} is not a supported file (.txt .md .rst .html .json .jsonl .pdf)")
+    else:
+        root = corpus
+        files = walk(root, report)
+    root_given = corpus_given if corpus.is_dir() else os.path.dirname(corpus_given) or "."
+
+    with layout.build_lock(target):
+        stale = layout.clean_stale(target)
+        if stale:
+            summary.notes.append(f"removed {stale} unfinished build(s) left by an interrupted run")
+        prev = _open_previous(target)
+        compatible = prev is not None and _compatible(prev.manifest, settings)
+        if prev is not None and not compatible:
+            summary.notes.append("settings changed since the last build: re-embedding everything")
+        reuse = _reusable(prev) if compatible else {}
+
+        # decide per file: reuse (unchanged) or read (new/changed)
+        keep: dict[str, _Reuse] = {}
+        to_read: list[SourceFile] = []
+        for f in files:
+            old = reuse.get(f.rel)
+            if old is not None and old.size == f.size and abs(old.mtime - f.mtime) < 1e-6:
+                keep[f.rel] = old
+            else:
+                to_read.append(f)
+        summary.deleted = len(set(reuse) - {f.rel for f in files})
+
+        new_docs: dict[str, list[Document]] = {}
+        if to_read:
+            with progress() as bar:
+                task = bar.add_task("reading", total=len(to_read), visible=show_progress)
+                for f in to_read:
+                    docs = read_file(f, report)
+                    old = reuse.get(f.rel)
+                    if old is not None and docs and docs[0].sha256 == old.sha256:
+                        keep[f.rel] = _Reuse(old.rows, old.sha256, f.size, f.mtime)  # touched, not changed
+                    elif docs:
+                        new_docs[f.rel] = docs
+                        if old is None:
+                            summary.added += 1
+                        else:
+                            summary.changed += 1
+                    elif old is not None:
+                        summary.deleted += 1  # now unreadable/empty: it leaves the index
+                    bar.advance(task)
+        _report(report)
+        summary.skipped = report.skipped_count
+
+        touched = any(
+            prev is not None and keep.get(rel) and keep[rel].mtime != reuse[rel].mtime for rel in keep
+        )
+        plan_n = prev.store.count_chunks() if prev is not None else 0
+        if (
+            compatible
+            and not new_docs
+            and summary.deleted == 0
+            and not touched
+            and _same_faiss_request(prev.manifest, settings, plan_n)
+        ):
+            summary.up_to_date = True
+            summary.documents = prev.store.count_documents()
+            summary.files = len(files)
+            summary.chunks = plan_n
+            summary.reused = plan_n
+            summary.factory = prev.manifest["faiss"]["factory"]
+            summary.index_type = prev.manifest["faiss"]["kind"]
+            summary.bytes = layout.dir_bytes(prev.folder)
+            summary.seconds = time.perf_counter() - t0
+            return summary
+
+        tmp = layout.new_tmp_dir(target)
+        summary_out = _write_version(
+            tmp, root, root_given, files, keep, new_docs, prev, settings, embedder, summary, show_progress
+        )
+        version = layout.publish(tmp, target)
+        layout.prune(target)
+        summary_out.bytes = layout.dir_bytes(version)
+        summary_out.seconds = time.perf_counter() - t0
+        if prev is not None:
+            prev.close()
+        return summary_out
+
+
+def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings, embedder, summary, show_progress):
+    chunker = ChunkerSettings(settings.chunk_tokens, settings.overlap)
+    writer = StoreWriter(tmp / STORE)
+    prev_vectors = np.load(prev.folder / EMBEDDINGS, allow_pickle=False, mmap_mode="r") if keep else None
+    rows_from_prev: list[int] = []  # prev chunk ids, in new-id order, for reused chunks
+    slots_new: list[int] = []  # new chunk ids that need embedding
+    texts_new: list[str] = []
+    all_texts: list[str] = []
+    n_docs = 0
+    if new_docs and embedder is None:
+        from ragspec.models.embedder import load_embedder
+
+        embedder = load_embedder(settings.embedder, settings.device, settings.embed_dtype, settings.chunk_tokens)
+    with progress() as bar:
+        task = bar.add_task("chunking", total=len(files), visible=show_progress)
+        for f in files:
+            if f.rel in keep:
+                for row in keep[f.rel].rows:
+                    doc, text = prev.store.document_full(row.id)
+                    did = writer.add_document(
+                        path=doc.path, key=doc.key, sha256=doc.sha256, size=keep[f.rel].size,
+                        mtime=keep[f.rel].mtime, title=doc.title, encoding=doc.encoding, text=text,
+                    )
+                    old_chunks = prev.store.chunks_of(row.id)
+                    writer.add_chunks(did, [(o, s, e, t) for _, o, s, e, t in old_chunks])
+                    rows_from_prev.extend(cid for cid, *_ in old_chunks)
+                    all_texts.extend(t for *_, t in old_chunks)
+                    slots_new.extend([-1] * len(old_chunks))
+                    n_docs += 1
+            elif f.rel in new_docs:
+                for d in new_docs[f.rel]:
+                    did = writer.add_document(
+                        path=d.rel, key=d.key, sha256=d.sha256, size=d.size, mtime=d.mtime,
+                        title=d.title, encoding=d.encoding, text=d.text,
+                    )
+                    chunks = chunk_text(d.text, embedder.tokenizer, chunker)
+                    writer.add_chunks(did, [(c.order, c.start, c.end, c.text) for c in chunks])
+                    for c in chunks:
+                        rows_from_prev.append(-1)
+                        slots_new.append(len(texts_new))
+                        texts_new.append(c.text)
+                        all_texts.append(c.text)
+                    n_docs += 1
+            bar.advance(task)
+    writer.close()
+    n = len(all_texts)
+    if n == 0:
+        raise RagspecError("no chunks: the corpus has no readable documents (see the warnings above)")
+    dim = embedder.dim if embedder is not None else prev_vectors.shape[1]
+    vectors = np.zeros((n, dim), dtype=np.float32)
+    t_embed = time.perf_counter()
+    if texts_new:
+        with progress() as bar:
+            task = bar.add_task("embedding", total=len(texts_new), visible=show_progress)
+            fresh = embedder.encode(texts_new, settings.embed_batch_size, on_batch=lambda k: bar.advance(task, k))
+        summary.embed_seconds = time.perf_counter() - t_embed
+    else:
+        fresh = np.zeros((0, dim), dtype=np.float32)
+    for i in range(n):
+        if rows_from_prev[i] >= 0:
+            vectors[i] = prev_vectors[rows_from_prev[i]]
+        else:
+            vectors[i] = fresh[slots_new[i]]
+    np.save(tmp / EMBEDDINGS, vectors.astype(np.float16), allow_pickle=False)
+    # FAISS sees exactly the vectors a later incremental build will reuse (stored as float16)
+    vectors = vectors.astype(np.float16).astype(np.float32)
+    plan = faiss_index.plan_index(
+        n, dim, settings.index_type, settings.faiss_factory, settings.nprobe, settings.refine, settings.refine_k_factor
+    )
+    with console.status(f"FAISS {plan.factory} over {n} vectors") if show_progress else _null():
+        index = faiss_index.build(vectors, plan, use_gpu=settings.device == "cuda")
+        faiss_index.write(index, tmp / FAISS)
+    if settings.bm25:
+        from ragspec.retrieve import bm25
+
+        with console.status("BM25") if show_progress else _null():
+            bm25.build(all_texts, tmp / BM25_DIR)
+    embedder_name = embedder.name if embedder is not None else prev.manifest["embedder"]["name"]
+    embed_dtype = embedder.dtype if embedder is not None else prev.manifest["embedder"]["dtype"]
+    files_meta = {}
+    for p in sorted(tmp.rglob("*")):
+        if p.is_file():
+            from ragspec.models.registry import sha256_file
+
+            files_meta[p.relative_to(tmp).as_posix()] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+    manifest.write(
+        tmp,
+        {
+            "format_version": manifest.FORMAT_VERSION,
+            "corpus": {"root": root_given, "root_abs": str(Path(root).resolve())},
+            "embedder": {
+                "name": embedder_name,
+                "requested": settings.embedder,
+                "dimension": dim,
+                "dtype": embed_dtype,
+                "normalized": True,
+                "max_tokens": settings.chunk_tokens,
+            },
+            "faiss": plan.as_dict(),
+            "chunker": settings.chunker_dict() | {"tokenizer": embedder_name},
+            "bm25": {"enabled": settings.bm25, "stopwords": "en", "stemmer": "english"} if settings.bm25 else {"enabled": False},
+            "counts": {"documents": n_docs, "chunks": n, "files": len(files), "skipped": summary.skipped},
+            "files": files_meta,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+    )
+    summary.documents = n_docs
+    summary.files = len(files)
+    summary.chunks = n
+    summary.embedded = len(texts_new)
+    summary.reused = n - len(texts_new)
+    summary.factory = plan.factory
+    summary.index_type = plan.kind
+    return summary
+
+
+def _open_previous(target: Path) -> Index | None:
+    if not (target.exists() or target.is_symlink()):
+        return None
+    try:
+        return Index(target)
+    except RagspecError as exc:
+        warn(f"previous index at {target} is unusable ({exc}); building from scratch")
+        return None
+
+
+def _compatible(prev_manifest: dict, s: IndexSettings) -> bool:
+    e = prev_manifest.get("embedder", {})
+    c = prev_manifest.get("chunker", {})
+    dtype = s.embed_dtype
+    if dtype == "auto":
+        from ragspec.models.embedder import best_cpu_dtype
+
+        dtype = best_cpu_dtype() if s.device == "cpu" else "float16"
+    return (
+        e.get("requested") == s.embedder
+        and e.get("dtype") == dtype
+        and c.get("tokens") == s.chunk_tokens
+        and c.get("overlap") == s.overlap
+        and prev_manifest.get("bm25", {}).get("enabled", False) == s.bm25
+    )
+
+
+def _same_faiss_request(prev_manifest: dict, s: IndexSettings, n: int) -> bool:
+    f = prev_manifest.get("faiss", {})
+    dim = prev_manifest.get("embedder", {}).get("dimension", 0)
+    try:
+        plan = faiss_index.plan_index(n, dim, s.index_type, s.faiss_factory, s.nprobe, s.refine, s.refine_k_factor)
+    except RagspecError:
+        return False
+    return plan.as_dict() == f
+
+
+def _reusable(prev: Index) -> dict[str, _Reuse]:
+    out: dict[str, _Reuse] = {}
+    for row in prev.store.documents():
+        r = out.get(row.path)
+        if r is None:
+            out[row.path] = _Reuse([row], row.sha256, row.size, row.mtime)
+        else:
+            r.rows.append(row)
+    return out
+
+
+def _report(report: ScanReport) -> None:
+    for rel, reason in report.skipped:
+        warn(f"skipped {rel}: {reason}")
+    for rel, enc in report.decoded:
+        warn(f"{rel} is not UTF-8; decoded as {enc}")
+    for rel, problem in report.problems[:20]:
+        warn(f"{rel}: {problem}")
+    if len(report.problems) > 20:
+        warn(f"… and {len(report.problems) - 20} more bad records")
+    if report.unsupported:
+        kinds = ", ".join(f"{k} ×{v}" for k, v in sorted(report.unsupported.items()))
+        warn(f"skipped {sum(report.unsupported.values())} files of unsupported types ({kinds})")
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

@@ -1,0 +1,77 @@
+"""Open a built index: manifest, SQLite store, FAISS index and BM25, checked against the manifest."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from ragspec.errors import RagspecError
+from ragspec.index import faiss_index, manifest
+from ragspec.index.store import Store
+
+
+class Index:
+    """A read-only view of one index version (the one `path` pointed at when opened)."""
+
+    def __init__(self, path: Path | str, verify: bool = False):
+        self.path = Path(path)
+        if not (self.path.exists() or self.path.is_symlink()):
+            raise RagspecError(f"no index at {self.path}; build one with `ragspec index CORPUS`")
+        self.folder = self.path.resolve()
+        self.manifest = manifest.load(self.folder)
+        for name, meta in self.manifest.get("files", {}).items():
+            p = self.folder / name
+            if not p.is_file() or p.stat().st_size != meta["size"]:
+                raise RagspecError(f"index {self.path} is damaged ({name} is missing or truncated); rebuild it")
+        if verify:
+            from ragspec.models.registry import sha256_file
+
+            for name, meta in self.manifest["files"].items():
+                if sha256_file(self.folder / name) != meta["sha256"]:
+                    raise RagspecError(f"index {self.path} is damaged ({name} fails its sha256); rebuild it")
+        self.store = Store(self.folder / "store.sqlite")
+        self._faiss = None
+        self._bm25 = None
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def corpus_root(self) -> str:
+        """The corpus folder as it was given to `ragspec index` (relative paths stay relative)."""
+        return self.manifest["corpus"]["root"]
+
+    def source_path(self, rel: str) -> str:
+        """The source file of a document, as given to `ragspec index` (root as given + relative path)."""
+        return os.path.join(self.corpus_root, rel) if self.corpus_root not in ("", ".") else rel
+
+    @property
+    def faiss(self):
+        with self._lock:
+            if self._faiss is None:
+                self._faiss = faiss_index.read(self.folder / "faiss.index", self.manifest["faiss"])
+            return self._faiss
+
+    @property
+    def bm25(self):
+        if not self.manifest.get("bm25", {}).get("enabled"):
+            return None
+        with self._lock:
+            if self._bm25 is None:
+                from ragspec.retrieve.bm25 import BM25Index
+
+                self._bm25 = BM25Index(self.folder / "bm25")
+            return self._bm25
+
+    def set_nprobe(self, nprobe: int) -> None:
+        import faiss
+
+        ivf = faiss.try_extract_index_ivf(self.faiss)
+        if ivf is not None:
+            ivf.nprobe = nprobe
+
+    def close(self) -> None:
+        self.store.close()

