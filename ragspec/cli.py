@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from ragspec.console import console
+from ragspec.console import console, human_bytes
 from ragspec.errors import RagspecError
 
 app = typer.Typer(
@@ -115,7 +115,7 @@ def index(
             f"({s.added} added, {s.changed} changed, {s.deleted} deleted, {s.skipped} skipped), {s.chunks} chunks "
             f"({s.embedded} embedded, {s.reused} reused) in {s.seconds:.1f} s"
             + (f", {s.chunks_per_s:.1f} chunks/s embedding" if s.embedded else "")
-            + f"; FAISS {s.factory} ({s.index_type}); {s.bytes / 1e6:.1f} MB on disk"
+            + f"; FAISS {s.factory} ({s.index_type}); {human_bytes(s.bytes)} on disk"
         )
 
     _run(body)
@@ -151,7 +151,7 @@ def search(
             return
         from rich.console import Console
 
-        out = Console(highlight=False)
+        out = Console(highlight=False, soft_wrap=True)
         for h in hits:
             out.print(f"[bold]{h.rank}.[/] [cyan]{h.path}[/]{'#' + h.key if h.key else ''} "
                       f"[dim][{h.start}:{h.end}] score {h.score:.4f}[/]")

@@ -91,6 +91,8 @@ def ensure_converted(model: EmbeddedModel) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time; the others wait, then reuse its result
         if is_valid(target, model):
             return target
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):  # left by a killed conversion
+            shutil.rmtree(stale, ignore_errors=True)
         _convert(model, target)
     return target
 
