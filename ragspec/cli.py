@@ -88,6 +88,7 @@ def index(
     embed_dtype: Optional[str] = typer.Option(None, "--embed-dtype", help="auto | float32 | bfloat16"),
     nprobe: Optional[int] = typer.Option(None, "--nprobe", help="IVF lists probed per query (16)"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda"),
+    spec: Optional[Path] = typer.Option(None, "--pipeline", help="take index settings from a pipeline YAML"),
 ):
     """Build or update an index from a folder of documents."""
 
@@ -96,10 +97,18 @@ def index(
         from ragspec.index.builder import build_index, default_name
         from ragspec.paths import default_index_root
 
-        settings = _index_settings(
-            embedder=embedder, index_type=index_type, faiss_factory=factory, chunk_tokens=chunk_tokens,
-            overlap=overlap, embed_dtype=embed_dtype, nprobe=nprobe, device=device,
-        )
+        base = {}
+        if spec is not None:
+            from ragspec.spec import load_spec
+
+            base = load_spec(spec).index.model_dump()
+        settings = _index_settings(**{
+            **base,
+            **{k: v for k, v in dict(
+                embedder=embedder, index_type=index_type, faiss_factory=factory, chunk_tokens=chunk_tokens,
+                overlap=overlap, embed_dtype=embed_dtype, nprobe=nprobe, device=device,
+            ).items() if v is not None},
+        })
         target = out or default_index_root() / (name or default_name(path))
         s = build_index(path, target, settings)
         for note in s.notes:
@@ -183,7 +192,7 @@ def info(index_path: Path = typer.Argument(..., metavar="INDEX"),
             return
         from rich.console import Console
 
-        out = Console(highlight=False)
+        out = Console(highlight=False, soft_wrap=True)
         c, e, f = m["counts"], m["embedder"], m["faiss"]
         out.print(f"[bold]{index_path}[/] → {idx.folder.name}  (format {m['format_version']}, built {m['created']})")
         out.print(f"  corpus     {m['corpus']['root']}: {c['documents']} documents, {c['chunks']} chunks, "
@@ -224,14 +233,17 @@ def eval_retrieval(
         for p in (corpus, queries, qrels):
             if not p.exists():
                 raise RagspecError(f"{p} does not exist")
-        base = out or ragspec_home() / "eval" / corpus.resolve().parent.name
+        from ragspec.models.registry import DEFAULT_EMBEDDER
+
+        flavour = f"{(embedder or DEFAULT_EMBEDDER).replace('/', '_')}-{embed_dtype or 'auto'}"
+        base = out or ragspec_home() / "eval" / corpus.resolve().parent.name / flavour
         exact_settings = _index_settings(embedder=embedder, embed_dtype=embed_dtype, index_type="flat")
         build_index(corpus, base / "exact", exact_settings)
         exact = Index(base / "exact")
         ann = None
         if index_type != "flat":
             ann_settings = _index_settings(embedder=embedder, embed_dtype=embed_dtype, index_type=index_type)
-            build_index(corpus, base / f"ann-{index_type}", ann_settings)
+            build_index(corpus, base / f"ann-{index_type}", ann_settings, reuse_from=base / "exact")
             ann = Index(base / f"ann-{index_type}")
             if ann.manifest["faiss"]["kind"] == "flat":
                 ann = None  # auto chose exact search: nothing approximate to compare
@@ -256,6 +268,40 @@ def eval_retrieval(
     _run(body)
 
 
+@app.command("bench-search")
+def bench_search(
+    index_path: Path = typer.Argument(..., metavar="INDEX"),
+    queries: Optional[Path] = typer.Option(None, "--queries", help=".jsonl (text field) or one query per line"),
+    n: int = typer.Option(200, "-n", help="queries to time (sampled from the index's chunks without --queries)"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Query latency: p50/p95 of dense search alone and of the whole retrieval stage."""
+
+    def body():
+        _quiet_libraries()
+        from ragspec.eval.latency import bench_queries, sample_queries
+
+        from ragspec.index.reader import Index
+        from ragspec.retrieve.retriever import Retriever
+        from ragspec.settings import RetrieverSettings
+
+        idx = Index(index_path)
+        qs = sample_queries(idx, queries, n)
+        result = bench_queries(Retriever(idx, RetrieverSettings()), qs)
+        result["index"] = str(index_path)
+        if as_json:
+            sys.stdout.write(json.dumps(result, indent=2) + "\n")
+            return
+        from rich.console import Console
+
+        out = Console(highlight=False, soft_wrap=True)
+        out.print(f"{result['queries']} queries on {index_path} ({result['faiss']}, {result['chunks']} chunks)")
+        for name, m in result["latency_ms"].items():
+            out.print(f"  {name:22} p50 {m['p50']:8.2f} ms   p95 {m['p95']:8.2f} ms")
+
+    _run(body)
+
+
 @app.command()
 def models(
     prepare: Optional[str] = typer.Option(None, "--prepare", help="convert an embedded generator now"),
@@ -269,7 +315,7 @@ def models(
         from ragspec.models.gguf_cache import cache_dir, ensure_converted, is_valid
         from ragspec.models.registry import EMBEDDED, ONLINE_EMBEDDER, ONLINE_RERANKER, lookup, part_paths
 
-        out = Console(highlight=False)
+        out = Console(highlight=False, soft_wrap=True)
         if prepare:
             m = lookup(prepare, "generator")
             if m is None:

@@ -20,7 +20,7 @@ class IndexSettings(Strict):
     embed_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = bfloat16 on CPUs with native bf16 (AMX/AVX512-BF16), else float32"
     )
-    embed_batch_size: int = Field(8, ge=1, description="chunks per embedding batch (small is fastest on CPU)")
+    embed_batch_size: int = Field(16, ge=1, description="chunks per embedding batch (sorted by length)")
     chunk_tokens: int = Field(256, ge=8, le=8192, description="chunk window, in embedder tokens")
     overlap: int = Field(32, ge=0, description="tokens shared by consecutive chunks")
     index_type: Literal["auto", "flat", "ivfpq"] = Field("auto", description="auto: flat up to 20k chunks")

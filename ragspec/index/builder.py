@@ -70,11 +70,14 @@ def build_index(
     settings: IndexSettings = IndexSettings(),
     embedder=None,
     show_progress: bool = True,
+    reuse_from: Path | str | None = None,
 ) -> BuildSummary:
     """Build or update the index at `target` (a link to its current version) from `corpus`.
 
     Unchanged files (same size and mtime, or same sha256) keep their chunks and vectors; only added and
     changed files are embedded; deleted files are dropped. With nothing changed, nothing is written.
+    `reuse_from` seeds a new target from another index of the same corpus (e.g. an IVF-PQ twin of an exact
+    index) so its vectors are not computed twice.
     """
     t0 = time.perf_counter()
     corpus_given = str(corpus)
@@ -99,6 +102,8 @@ def build_index(
         if stale:
             summary.notes.append(f"removed {stale} unfinished build(s) left by an interrupted run")
         prev = _open_previous(target)
+        if prev is None and reuse_from is not None:
+            prev = _open_previous(Path(reuse_from))
         compatible = prev is not None and _compatible(prev.manifest, settings)
         if prev is not None and not compatible:
             summary.notes.append("settings changed since the last build: re-embedding everything")

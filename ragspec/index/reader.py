@@ -14,8 +14,9 @@ from ragspec.index.store import Store
 class Index:
     """A read-only view of one index version (the one `path` pointed at when opened)."""
 
-    def __init__(self, path: Path | str, verify: bool = False):
+    def __init__(self, path: Path | str, verify: bool = False, device: str = "cpu"):
         self.path = Path(path)
+        self.device = device
         if not (self.path.exists() or self.path.is_symlink()):
             raise RagspecError(f"no index at {self.path}; build one with `ragspec index CORPUS`")
         self.folder = self.path.resolve()
@@ -52,7 +53,9 @@ class Index:
     def faiss(self):
         with self._lock:
             if self._faiss is None:
-                self._faiss = faiss_index.read(self.folder / "faiss.index", self.manifest["faiss"])
+                self._faiss = faiss_index.read(
+                    self.folder / "faiss.index", self.manifest["faiss"], use_gpu=self.device == "cuda"
+                )
             return self._faiss
 
     @property

@@ -41,13 +41,13 @@ class Retriever:
 
     def __init__(self, index: Index | str, settings: RetrieverSettings = RetrieverSettings(), embedder=None,
                  device: str = "cpu"):
-        self.index = index if isinstance(index, Index) else Index(index)
+        self.index = index if isinstance(index, Index) else Index(index, device=device)
         self.settings = settings
         self._embedder = embedder
         self._device = device
         self._reranker = None
         self._lock = threading.Lock()
-        if settings.mode in ("hybrid", "bm25") and self.index.bm25 is None and settings.mode == "bm25":
+        if settings.mode == "bm25" and self.index.bm25 is None:
             raise RagspecError(f"index {self.index.path} was built without BM25; rebuild it or use mode: dense")
         if settings.nprobe:
             self.index.set_nprobe(settings.nprobe)

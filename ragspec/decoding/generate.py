@@ -1,0 +1,180 @@
+"""The draft-and-verify loop: prefill once, then per step draft a tree, verify it in one forward, append
+the accepted tokens (each with its provenance) and stream text deltas, until eos, a stop string or
+max_new_tokens — never emitting past any of them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+from ragspec.decoding.drafters.base import DraftState, Drafter, NoDraft, Segment
+from ragspec.decoding.sampling import SamplingSettings
+from ragspec.decoding.stream import IncrementalDecoder
+from ragspec.decoding.verifier import Verifier
+
+
+@dataclass
+class Delta:
+    """A piece of streamed answer text and the tokens that made it.
+
+    `sources[i]` is the context position token `tokens[i]` was copied from (-1: made by the model itself).
+    `text` may be empty when a token completes no character yet.
+    """
+
+    text: str
+    tokens: list[int]
+    sources: list[int]
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    accepted_draft_tokens: int = 0
+    prefill_ms: float = 0.0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    decode_ms: float = 0.0
+    tree_nodes: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens per step, bonus included
+    finish_reason: str = ""
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens per verification step, the bonus token included (the papers' 'acceptance length')."""
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["mean_accepted"] = round(self.mean_accepted, 4)
+        d["decode_tokens_per_s"] = round(self.new_tokens / (self.decode_ms / 1000), 3) if self.decode_ms else 0.0
+        return d
+
+
+class SpeculativeGenerator:
+    """Runs one generation at a time for a model + drafter. Not thread-safe: one per thread or a lock."""
+
+    def __init__(self, model, tokenizer, drafter: Drafter | None = None, sampling: SamplingSettings | None = None,
+                 max_new_tokens: int = 128, stop_strings: tuple[str, ...] = (), eos_token_ids=None,
+                 budget: int = 64):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.drafter = drafter or NoDraft()
+        self.sampling = sampling or SamplingSettings()
+        self.max_new_tokens = max_new_tokens
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.eos = set(_eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids)
+        self.budget = budget
+        self.stats = GenerationStats()
+        self.tokens: list[int] = []
+
+    def generate(self, prompt_ids: list[int], segments: list[Segment] | None = None) -> str:
+        return "".join(d.text for d in self.stream(prompt_ids, segments))
+
+    def stream(self, prompt_ids: list[int], segments: list[Segment] | None = None) -> Iterator[Delta]:
+        stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.tokens = []
+        verifier = Verifier(self.model, self.sampling, hidden_layer=self.drafter.hidden_layer)
+        stats.prefill_ms = verifier.prefill(list(prompt_ids))
+        state = DraftState(tokens=list(prompt_ids), prompt_len=len(prompt_ids), segments=segments or [])
+        t0 = time.perf_counter()
+        self.drafter.prepare(state)
+        stats.draft_ms += (time.perf_counter() - t0) * 1000
+        decoder = IncrementalDecoder(self.tokenizer)
+        held = ""  # text withheld because it could be the start of a stop string
+        held_tokens: list[int] = []
+        held_sources: list[int] = []
+        t_decode = time.perf_counter()
+        while True:
+            remaining = self.max_new_tokens - stats.new_tokens
+            if remaining <= 0:
+                stats.finish_reason = "length"
+                break
+            t = time.perf_counter()
+            if self.drafter.hidden_layer is not None:
+                state.hidden = verifier.hidden_states()
+            tree = self.drafter.propose(state, max(0, min(self.budget, remaining - 1)))
+            tree = tree.truncated(max(0, self.budget))
+            stats.draft_ms += (time.perf_counter() - t) * 1000
+            res = verifier.step(tree)
+            stats.verify_ms += res.forward_ms
+            stats.steps += 1
+            stats.tree_nodes += res.tree_size
+            toks, srcs = res.tokens[:remaining], res.sources[:remaining]
+            finish = ""
+            for i, tok in enumerate(toks):
+                if tok in self.eos:
+                    toks, srcs, finish = toks[: i + 1], srcs[: i + 1], "eos"
+                    break
+            stats.accepted_lengths.append(len(toks))
+            stats.accepted_draft_tokens += min(res.accepted, len(toks))
+            stats.new_tokens += len(toks)
+            self.tokens.extend(toks)
+            state.tokens.extend(toks)
+            t = time.perf_counter()
+            self.drafter.update(state, toks)
+            stats.draft_ms += (time.perf_counter() - t) * 1000
+            text_toks = [tk for tk in toks if tk not in self.eos]
+            text = decoder.push(text_toks)
+            held += text
+            held_tokens += toks
+            held_sources += srcs
+            if self.stop_strings:
+                cut = _find_stop(held, self.stop_strings)
+                if cut is not None:
+                    if held[:cut]:
+                        yield Delta(held[:cut], held_tokens, held_sources)
+                    stats.finish_reason = "stop"
+                    held = ""
+                    break
+                keep = _stop_prefix_len(held, self.stop_strings)
+                emit, held = held[: len(held) - keep], held[len(held) - keep :]
+            else:
+                emit, held = held, ""
+            if emit or (not held and held_tokens):
+                yield Delta(emit, held_tokens, held_sources)
+                held_tokens, held_sources = [], []
+            if finish:
+                stats.finish_reason = finish
+                break
+        if stats.finish_reason != "stop":
+            tail = held + decoder.flush()
+            if self.stop_strings:
+                cut = _find_stop(tail, self.stop_strings)
+                if cut is not None:
+                    tail = tail[:cut]
+                    stats.finish_reason = "stop"
+            if tail or held_tokens:
+                yield Delta(tail, held_tokens, held_sources)
+        stats.decode_ms = (time.perf_counter() - t_decode) * 1000
+
+
+def _find_stop(text: str, stops) -> int | None:
+    hits = [text.find(s) for s in stops if s in text]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_len(text: str, stops) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                best = max(best, k)
+                break
+    return best
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = set()
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(e, int):
+            ids.add(e)
+        elif e:
+            ids.update(int(x) for x in e)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)

@@ -1,0 +1,102 @@
+"""Draft trees: tokens with parent links, turned into position ids and a 4-D tree attention mask.
+
+Node i hangs under `parents[i]` (-1: under the root, which is the last accepted token, not yet in the KV
+cache). A node sees the cached context, the root, its ancestors and itself — nothing else — so one forward
+pass scores every branch at once (SpecInfer / Medusa tree attention; ngram-trie paper Fig. 2, Eq. 6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)  # 1 for children of the root
+    sources: list[int] = field(default_factory=list)  # context position the token was copied from, -1 if none
+    _children: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def child(self, parent: int, token: int) -> int | None:
+        return self._children.get((parent, token))
+
+    def children(self, parent: int) -> list[int]:
+        """Children of `parent` in insertion order (which drafters make their priority order)."""
+        return [i for i, p in enumerate(self.parents) if p == parent]
+
+    def add(self, parent: int, token: int, source: int = -1) -> int:
+        """The node for `token` under `parent`, created if new (same tokens share a node)."""
+        key = (parent, int(token))
+        node = self._children.get(key)
+        if node is not None:
+            return node
+        node = len(self.tokens)
+        self.tokens.append(int(token))
+        self.parents.append(parent)
+        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        self.sources.append(source)
+        self._children[key] = node
+        return node
+
+    def add_chain(self, tokens, sources=None, budget: int | None = None) -> int:
+        """Insert a chain under the root (sharing existing prefixes); stops when the tree reaches `budget`.
+
+        Returns how many of the chain's tokens are in the tree afterwards.
+        """
+        node = -1
+        for k, tok in enumerate(tokens):
+            nxt = self._children.get((node, int(tok)))
+            if nxt is None:
+                if budget is not None and len(self.tokens) >= budget:
+                    return k
+                nxt = self.add(node, tok, sources[k] if sources is not None else -1)
+            node = nxt
+        return len(tokens)
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from the root's child down to `node`."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def truncated(self, budget: int) -> "DraftTree":
+        """The first `budget` nodes (ancestors always precede descendants, so the result is a tree)."""
+        if budget >= len(self):
+            return self
+        t = DraftTree()
+        for i in range(budget):
+            t.add(self.parents[i], self.tokens[i], self.sources[i])
+        return t
+
+    def max_depth(self) -> int:
+        return max(self.depths, default=0)
+
+    # -- model inputs -------------------------------------------------------------------------------------
+    def position_ids(self, root_position: int) -> list[int]:
+        """Positions of [root, node 0, node 1, …]: a node's position is the root's plus its depth."""
+        return [root_position] + [root_position + d for d in self.depths]
+
+    def visibility(self) -> list[list[int]]:
+        """For each input row (root first), the rows it may attend to among [root, nodes]."""
+        rows = [[0]]
+        for i in range(len(self)):
+            rows.append([0] + [j + 1 for j in self.path(i)])
+        return rows
+
+    def attention_mask(self, cached: int, dtype, device=None):
+        """Float 4-D mask [1, 1, 1+n, cached+1+n]: 0 where visible, the dtype's minimum elsewhere."""
+        import torch
+
+        n = len(self)
+        lo = torch.finfo(dtype).min
+        mask = torch.full((1 + n, cached + 1 + n), lo, dtype=dtype, device=device)
+        mask[:, :cached] = 0
+        for r, visible in enumerate(self.visibility()):
+            mask[r, [cached + v for v in visible]] = 0
+        return mask[None, None]

@@ -1,0 +1,164 @@
+"""Tree verification: one forward pass scores a whole draft tree; acceptance keeps greedy output identical
+and sampled output distributed exactly as the model's; the KV cache keeps only the accepted path.
+
+Greedy: follow the root's argmax down the tree while a child carries it; the argmax where the walk stops is
+the bonus token. Sampling: multi-candidate rejection for deterministic drafts (SpecInfer; Lookahead
+decoding Algorithm 4): at each node try its children in order, accept child c with probability p(c), else
+zero p(c) and renormalise; if no child is accepted, sample the residual distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ragspec.decoding.sampling import SamplingSettings, target_probs
+from ragspec.decoding.tree import DraftTree
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]  # accepted draft tokens, then the bonus token
+    sources: list[int]  # per token: context position it was copied from, -1 for model-made tokens
+    accepted: int  # how many draft tokens were accepted (len(tokens) - 1)
+    tree_size: int
+    forward_ms: float
+    hidden: torch.Tensor | None = None  # [1 + accepted, d] hidden states of the kept rows, if asked for
+    attentions: list | None = None
+
+
+@dataclass
+class Verifier:
+    """Holds a model, its KV cache and the sequence decoded so far."""
+
+    model: object
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    hidden_layer: int | None = None  # keep this layer's hidden states of accepted positions (PLD+ h)
+    attention_layers: tuple = ()  # keep attention rows of these layers (PLD+ a; needs eager attention)
+
+    def __post_init__(self):
+        self.device = next(self.model.parameters()).device
+        self.dtype = next(self.model.parameters()).dtype
+        self._gen = None
+        if not self.sampling.greedy:
+            self._gen = torch.Generator(device="cpu")
+            if self.sampling.seed is not None:
+                self._gen.manual_seed(self.sampling.seed)
+            else:
+                self._gen.seed()
+
+    # -- prefill -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int]) -> float:
+        """Cache every prompt token but the last, which becomes the first step's root. Returns ms."""
+        from transformers import DynamicCache
+
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached = 0
+        self.root = int(prompt_ids[-1])
+        self.hidden_rows: list[torch.Tensor] = []
+        t = time.perf_counter()
+        if len(prompt_ids) > 1:
+            ids = torch.tensor([prompt_ids[:-1]], device=self.device)
+            out = self.model(
+                input_ids=ids,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+                output_hidden_states=self.hidden_layer is not None,
+            )
+            self.cached = len(prompt_ids) - 1
+            if self.hidden_layer is not None:
+                self.hidden_rows.append(out.hidden_states[self.hidden_layer][0].float())
+        return (time.perf_counter() - t) * 1000
+
+    # -- one step ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, tree: DraftTree) -> StepResult:
+        n = len(tree)
+        ids = torch.tensor([[self.root] + tree.tokens], device=self.device)
+        pos = torch.tensor([tree.position_ids(self.cached)], device=self.device)
+        mask = tree.attention_mask(self.cached, self.dtype, self.device)
+        t = time.perf_counter()
+        out = self.model(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=self.hidden_layer is not None,
+        )
+        logits = out.logits[0]
+        if self.sampling.greedy:
+            path, bonus = self._accept_greedy(tree, logits)
+        else:
+            path, bonus = self._accept_sampled(tree, logits)
+        forward_ms = (time.perf_counter() - t) * 1000
+        keep_rows = [0] + [i + 1 for i in path]
+        self._keep(keep_rows, n)
+        hidden = None
+        if self.hidden_layer is not None:
+            hidden = out.hidden_states[self.hidden_layer][0, keep_rows].float()
+            self.hidden_rows.append(hidden)
+        self.root = bonus
+        return StepResult(
+            tokens=[tree.tokens[i] for i in path] + [bonus],
+            sources=[tree.sources[i] for i in path] + [-1],
+            accepted=len(path),
+            tree_size=n,
+            forward_ms=forward_ms,
+            hidden=hidden,
+        )
+
+    def _accept_greedy(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+        best = logits.argmax(dim=-1).tolist()
+        path, row, node = [], 0, -1
+        while True:
+            nxt = tree.child(node, best[row])
+            if nxt is None:
+                return path, best[row]
+            path.append(nxt)
+            node, row = nxt, nxt + 1
+
+    def _accept_sampled(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+        probs = target_probs(logits, self.sampling).cpu()
+        path, node = [], -1
+        while True:
+            p = probs[node + 1].clone()
+            moved = False
+            for c in tree.children(node):
+                tok = tree.tokens[c]
+                total = float(p.sum())
+                if total <= 0:
+                    break
+                if float(torch.rand((), generator=self._gen)) < float(p[tok]) / total:
+                    path.append(c)
+                    node = c
+                    moved = True
+                    break
+                p[tok] = 0.0  # rejected: the residual of a one-hot draft is p without that token
+            if not moved:
+                bonus = int(torch.multinomial(p / p.sum(), 1, generator=self._gen))
+                return path, bonus
+
+    def _keep(self, rows: list[int], n: int) -> None:
+        """Trim the cache to the cached prefix + the kept rows of this step's 1 + n inputs."""
+        base = self.cached
+        contiguous = rows == list(range(len(rows)))
+        for layer in self.cache.layers:
+            if contiguous:
+                layer.keys = layer.keys[:, :, : base + len(rows)]
+                layer.values = layer.values[:, :, : base + len(rows)]
+            else:
+                idx = torch.tensor(list(range(base)) + [base + r for r in rows], device=layer.keys.device)
+                layer.keys = layer.keys.index_select(2, idx)
+                layer.values = layer.values.index_select(2, idx)
+        self.cached = base + len(rows)
+
+    def hidden_states(self) -> torch.Tensor:
+        """Hidden states (layer `hidden_layer`) of every cached position, in order."""
+        return torch.cat(self.hidden_rows) if self.hidden_rows else torch.zeros(0)

@@ -1,0 +1,187 @@
+"""Greedy draft-and-verify output is token-for-token identical to `model.generate` greedy (SmolLM2, CPU),
+for every drafter and for adversarial ones."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ragspec.decoding.drafters.base import DraftState, NoDraft
+from ragspec.decoding.drafters.pld import PromptLookupDrafter
+from ragspec.decoding.drafters.trie import NgramTrieDrafter
+from ragspec.decoding.generate import SpeculativeGenerator
+from ragspec.decoding.tree import DraftTree
+
+PASSAGES = [
+    "The Danube is Europe's second-longest river. It rises in the Black Forest in Germany and flows "
+    "southeast for 2,850 km through ten countries before emptying into the Black Sea.",
+    "Photosynthesis converts light energy into chemical energy. In plants it takes place in chloroplasts, "
+    "which contain chlorophyll, and it releases oxygen as a by-product.",
+    "Python's open() function returns a file object. Mode 'a' opens a file for appending: every write goes "
+    "to the end of the file, whatever the current seek position is.",
+]
+QUESTIONS = [
+    ("Repeat the first sentence of the passage exactly.", 0),
+    ("Where does the Danube rise and where does it end? Quote the passage.", 0),
+    ("Summarize the passage in two sentences, copying its wording.", 1),
+    ("What does mode 'a' do? Answer with a quote from the passage.", 2),
+]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from ragspec.models.generator import load_generator
+
+    torch.manual_seed(0)
+    return load_generator("smollm2-135m-instruct")
+
+
+def chat_prompt(tokenizer, passage: str, question: str) -> list[int]:
+    messages = [{"role": "user", "content": f"Passage:\n{passage}\n\nQuestion: {question}"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def reference(model, prompt: list[int], max_new: int, eos: list[int]) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new, eos_token_id=eos,
+                             pad_token_id=eos[0], attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def cases(smol):
+    model, tok = smol
+    gen = SpeculativeGenerator(model, tok)
+    eos = sorted(gen.eos)
+    out = []
+    for question, p in QUESTIONS:
+        prompt = chat_prompt(tok, PASSAGES[p], question)
+        out.append((prompt, reference(model, prompt, 48, eos)))
+    return out
+
+
+def run(smol, drafter, prompt, max_new=48, budget=64):
+    model, tok = smol
+    gen = SpeculativeGenerator(model, tok, drafter=drafter, max_new_tokens=max_new, budget=budget)
+    text = gen.generate(prompt)
+    return gen, text
+
+
+@pytest.mark.parametrize("make", [NoDraft, PromptLookupDrafter, NgramTrieDrafter, lambda: NgramTrieDrafter(n=24, lp=2)],
+                         ids=["none", "pld", "trie", "trie-n24"])
+def test_drafters_match_generate(smol, cases, make):
+    model, tok = smol
+    accepted = 0
+    for prompt, ref in cases:
+        gen, text = run(smol, make(), prompt)
+        assert gen.tokens == ref
+        assert text == tok.decode(ref, skip_special_tokens=True)
+        accepted += gen.stats.accepted_draft_tokens
+    if not isinstance(make(), NoDraft):
+        assert accepted > 0  # the context was copied from
+
+
+class RandomDrafter:
+    name, hidden_layer = "random", None
+
+    def __init__(self, size=20, vocab=49152, seed=0):
+        self.rng, self.size, self.vocab = random.Random(seed), size, vocab
+
+    def prepare(self, state):
+        pass
+
+    def update(self, state, new):
+        pass
+
+    def propose(self, state, budget):
+        t = DraftTree()
+        for _ in range(min(self.size, budget)):
+            parent = self.rng.randrange(-1, len(t)) if len(t) else -1
+            t.add(parent, self.rng.randrange(self.vocab))
+        return t
+
+
+class OracleDrafter:
+    """Knows the reference continuation: drafts it correctly, then keeps going past eos / max_new_tokens,
+    with random side branches — up to `size` nodes."""
+
+    name, hidden_layer = "oracle", None
+
+    def __init__(self, reference, size=200, seed=0, wrong_every=0):
+        self.ref, self.size, self.rng, self.wrong_every = reference, size, random.Random(seed), wrong_every
+        self.calls = 0
+
+    def prepare(self, state):
+        pass
+
+    def update(self, state, new):
+        pass
+
+    def propose(self, state, budget):
+        self.calls += 1
+        done = len(state.generated)
+        chain = self.ref[done:] + [self.rng.randrange(49152) for _ in range(40)]  # runs past the end
+        if self.wrong_every and self.calls % self.wrong_every == 0 and chain:
+            chain[min(2, len(chain) - 1)] = (chain[min(2, len(chain) - 1)] + 1) % 49152
+        t = DraftTree()
+        t.add_chain(chain[: self.size // 2])
+        while len(t) < self.size:
+            t.add(self.rng.randrange(-1, len(t)), self.rng.randrange(49152))
+        return t
+
+
+def test_adversarial_drafters(smol, cases):
+    for i, (prompt, ref) in enumerate(cases[:2]):
+        for drafter in (RandomDrafter(seed=i), RandomDrafter(size=0), OracleDrafter(ref, 200, seed=i),
+                        OracleDrafter(ref, 30, seed=i, wrong_every=2)):
+            gen, _ = run(smol, drafter, prompt, budget=200)
+            assert gen.tokens == ref, drafter.name
+    # the oracle at 200 nodes really was verified in big steps
+    gen, _ = run(smol, OracleDrafter(cases[0][1], 200), cases[0][0], budget=200)
+    assert gen.stats.steps <= 3
+
+
+def test_max_new_tokens_and_eos_are_never_passed(smol, cases):
+    model, tok = smol
+    prompt, ref = cases[0]
+    for limit in (1, 2, 5, 13):
+        gen, text = run(smol, OracleDrafter(ref, 60), prompt, max_new=limit, budget=60)
+        assert gen.tokens == ref[:limit]
+        assert gen.stats.new_tokens == min(limit, len(ref))
+    # a prompt whose answer ends with eos inside max_new_tokens
+    short = chat_prompt(tok, "The sky is blue.", "Answer with one word: what colour is the sky?")
+    eos = sorted(SpeculativeGenerator(model, tok).eos)
+    ref = reference(model, short, 40, eos)
+    assert ref[-1] in eos and len(ref) < 40
+    gen, text = run(smol, OracleDrafter(ref, 80), short, max_new=40, budget=80)
+    assert gen.tokens == ref and gen.stats.finish_reason == "eos"
+    assert text == tok.decode(ref, skip_special_tokens=True)
+
+
+def test_stop_strings_cut_the_text(smol, cases):
+    model, tok = smol
+    prompt, ref = cases[0]
+    full = tok.decode(ref, skip_special_tokens=True)
+    stop = full[10:14]
+    gen = SpeculativeGenerator(model, tok, drafter=OracleDrafter(ref, 40), max_new_tokens=48, stop_strings=(stop,))
+    deltas = list(gen.stream(prompt))
+    text = "".join(d.text for d in deltas)
+    assert text == full[: full.find(stop)]
+    assert gen.stats.finish_reason == "stop"
+
+
+def test_provenance_points_into_the_context(smol, cases):
+    model, tok = smol
+    prompt, ref = cases[0]
+    gen = SpeculativeGenerator(model, tok, drafter=NgramTrieDrafter(), max_new_tokens=48)
+    deltas = list(gen.stream(prompt))
+    toks = [t for d in deltas for t in d.tokens]
+    srcs = [s for d in deltas for s in d.sources]
+    assert toks == ref and len(srcs) == len(toks)
+    copied = [(t, s) for t, s in zip(toks, srcs) if s >= 0]
+    assert copied
+    for t, s in copied:
+        assert prompt[s] == t  # a copied token equals the context token it points at

@@ -1,0 +1,26 @@
+from pathlib import Path
+
+import pytest
+
+from ragspec.errors import RagspecError
+from ragspec.spec import load_spec
+
+from conftest import REPO
+
+
+def test_shipped_specs_validate():
+    for path in sorted((REPO / "pipelines").glob("*.yaml")):
+        spec = load_spec(path)
+        assert spec.retriever.top_n == 5
+    assert load_spec(REPO / "pipelines" / "bge-m3.yaml").index.faiss_factory == "IVF4096,PQ64"
+
+
+def test_unknown_key_is_named(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("index:\n  chunk_tokns: 100\n")
+    with pytest.raises(RagspecError, match="unknown key 'index.chunk_tokns'"):
+        load_spec(p)
+    with pytest.raises(RagspecError, match="retriever.top_n"):
+        load_spec({"retriever": {"top_n": 0}})
+    with pytest.raises(RagspecError, match="does not exist"):
+        load_spec(Path(tmp_path / "missing.yaml"))
