@@ -263,7 +263,8 @@ def eval_retrieval(
         Console().print(t)
         if result["ann_recall@10"] is not None:
             Console().print(f"ANN recall@10 vs exact: {result['ann_recall@10']:.4f} "
-                            f"({result['ann_factory']}, nprobe {result['ann_nprobe']})")
+                            f"({result['ann_factory']}, nprobe {result['ann_nprobe']}); by nprobe: "
+                            + ", ".join(f"{p}: {r:.4f}" for p, r in result["ann_recall@10_by_nprobe"].items()))
 
     _run(body)
 
@@ -298,6 +299,56 @@ def bench_search(
         out.print(f"{result['queries']} queries on {index_path} ({result['faiss']}, {result['chunks']} chunks)")
         for name, m in result["latency_ms"].items():
             out.print(f"  {name:22} p50 {m['p50']:8.2f} ms   p95 {m['p95']:8.2f} ms")
+
+    _run(body)
+
+
+@app.command()
+def bench(
+    prompts: Path = typer.Option(Path("../shared/data/spec_bench/question.jsonl"), "--prompts"),
+    category: str = typer.Option("rag", "--category"),
+    limit: Optional[int] = typer.Option(None, "--limit"),
+    model: str = typer.Option("qwen2.5-coder-0.5b-instruct", "--model"),
+    methods: str = typer.Option("vanilla,hf-pld,pld,trie,pldplus-h", "--methods"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    budget: str = typer.Option("auto", "--budget", help="draft tree size: auto (cost-aware) or a number"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the result JSON here"),
+    plot_out: Optional[Path] = typer.Option(None, "--plot", help="write accepted-length histograms (PNG)"),
+):
+    """Decoding speed: vanilla greedy vs HF prompt lookup vs ragspec drafters, outputs checked identical."""
+
+    def body():
+        _quiet_libraries()
+        from ragspec.bench.decoding import load_prompts, plot, run_bench
+        from ragspec.console import progress
+        from ragspec.models.generator import load_generator
+
+        if not prompts.exists():
+            raise RagspecError(f"{prompts} does not exist")
+        rows = load_prompts(prompts, category, limit)
+        lm, tok = load_generator(model)
+        b = budget if budget == "auto" else int(budget)
+        with progress() as bar:
+            task = bar.add_task(f"{category} × {len(rows)}", total=len(rows))
+            result = run_bench(lm, tok, rows, [m.strip() for m in methods.split(",") if m.strip()], max_new_tokens,
+                               b, progress=lambda: bar.advance(task), model_name=model, category=category)
+        if json_out:
+            json_out.write_text(json.dumps(result, indent=2))
+        if plot_out:
+            plot(result, plot_out)
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"{model} — {category}, {len(rows)} prompts, {max_new_tokens} new tokens")
+        for col in ("method", "tok/s", "decode tok/s", "speed-up", "tok/step", "draft ms", "verify ms",
+                    "identical", "mem MB"):
+            t.add_column(col, justify="left" if col == "method" else "right")
+        for m, r in result["methods"].items():
+            f = lambda v, fmt="{:.2f}": "–" if v is None else fmt.format(v)  # noqa: E731
+            t.add_row(m, f(r["tokens_per_s"]), f(r["decode_tokens_per_s"]), f(r["speedup"], "{:.2f}×"),
+                      f(r["mean_accepted"]), f(r["draft_ms_per_step"]), f(r["verify_ms_per_step"]),
+                      f"{r['identical']}/{len(rows)}", f(r["drafter_memory_mb_4k"]))
+        Console().print(t)
 
     _run(body)
 

@@ -10,6 +10,7 @@ import torch
 
 from ragspec.decoding.drafters.base import DraftState, NoDraft
 from ragspec.decoding.drafters.pld import PromptLookupDrafter
+from ragspec.decoding.drafters.pldplus import PLDPlusHiddenDrafter
 from ragspec.decoding.drafters.trie import NgramTrieDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.decoding.tree import DraftTree
@@ -70,8 +71,12 @@ def run(smol, drafter, prompt, max_new=48, budget=64):
     return gen, text
 
 
-@pytest.mark.parametrize("make", [NoDraft, PromptLookupDrafter, NgramTrieDrafter, lambda: NgramTrieDrafter(n=24, lp=2)],
-                         ids=["none", "pld", "trie", "trie-n24"])
+def pldplus_h():
+    return PLDPlusHiddenDrafter(layer=9, branches=2)
+
+
+@pytest.mark.parametrize("make", [NoDraft, PromptLookupDrafter, NgramTrieDrafter, lambda: NgramTrieDrafter(n=24, lp=2),
+                                  pldplus_h], ids=["none", "pld", "trie", "trie-n24", "pldplus-h"])
 def test_drafters_match_generate(smol, cases, make):
     model, tok = smol
     accepted = 0

@@ -8,6 +8,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
+from ragspec.decoding.budget import AdaptiveBudget
 from ragspec.decoding.drafters.base import DraftState, Drafter, NoDraft, Segment
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.stream import IncrementalDecoder
@@ -58,7 +59,7 @@ class SpeculativeGenerator:
 
     def __init__(self, model, tokenizer, drafter: Drafter | None = None, sampling: SamplingSettings | None = None,
                  max_new_tokens: int = 128, stop_strings: tuple[str, ...] = (), eos_token_ids=None,
-                 budget: int = 64):
+                 budget: "int | AdaptiveBudget" = 64):
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter or NoDraft()
@@ -95,10 +96,13 @@ class SpeculativeGenerator:
             t = time.perf_counter()
             if self.drafter.hidden_layer is not None:
                 state.hidden = verifier.hidden_states()
-            tree = self.drafter.propose(state, max(0, min(self.budget, remaining - 1)))
-            tree = tree.truncated(max(0, self.budget))
+            cap = self.budget.budget() if isinstance(self.budget, AdaptiveBudget) else int(self.budget)
+            tree = self.drafter.propose(state, max(0, min(cap, remaining - 1)))
+            tree = tree.truncated(max(0, cap))
             stats.draft_ms += (time.perf_counter() - t) * 1000
             res = verifier.step(tree)
+            if isinstance(self.budget, AdaptiveBudget):
+                self.budget.observe(len(tree), res.path)
             stats.verify_ms += res.forward_ms
             stats.steps += 1
             stats.tree_nodes += res.tree_size

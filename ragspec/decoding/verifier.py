@@ -25,8 +25,8 @@ class StepResult:
     accepted: int  # how many draft tokens were accepted (len(tokens) - 1)
     tree_size: int
     forward_ms: float
+    path: list[int] = field(default_factory=list)  # accepted node indices (= their ranks in the tree)
     hidden: torch.Tensor | None = None  # [1 + accepted, d] hidden states of the kept rows, if asked for
-    attentions: list | None = None
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Verifier:
         self.cache = DynamicCache(config=self.model.config)
         self.cached = 0
         self.root = int(prompt_ids[-1])
-        self.hidden_rows: list[torch.Tensor] = []
+        self._hidden = None  # [capacity, d] buffer of layer-`hidden_layer` states of cached positions
         t = time.perf_counter()
         if len(prompt_ids) > 1:
             ids = torch.tensor([prompt_ids[:-1]], device=self.device)
@@ -73,7 +73,7 @@ class Verifier:
             )
             self.cached = len(prompt_ids) - 1
             if self.hidden_layer is not None:
-                self.hidden_rows.append(out.hidden_states[self.hidden_layer][0].float())
+                self._append_hidden(out.hidden_states[self.hidden_layer][0])
         return (time.perf_counter() - t) * 1000
 
     # -- one step ------------------------------------------------------------------------------------------
@@ -102,8 +102,8 @@ class Verifier:
         self._keep(keep_rows, n)
         hidden = None
         if self.hidden_layer is not None:
-            hidden = out.hidden_states[self.hidden_layer][0, keep_rows].float()
-            self.hidden_rows.append(hidden)
+            hidden = out.hidden_states[self.hidden_layer][0, keep_rows]
+            self._append_hidden(hidden, at=self.cached - len(keep_rows))
         self.root = bonus
         return StepResult(
             tokens=[tree.tokens[i] for i in path] + [bonus],
@@ -111,6 +111,7 @@ class Verifier:
             accepted=len(path),
             tree_size=n,
             forward_ms=forward_ms,
+            path=path,
             hidden=hidden,
         )
 
@@ -159,6 +160,28 @@ class Verifier:
                 layer.values = layer.values.index_select(2, idx)
         self.cached = base + len(rows)
 
+    def fork(self) -> "Verifier":
+        """A copy with its own KV cache (cloned) and the same random stream: many samples, one prefill."""
+        import copy
+
+        twin = copy.copy(self)
+        twin.cache = copy.deepcopy(self.cache)
+        twin._hidden = None if self._hidden is None else self._hidden.clone()
+        return twin
+
+    def _append_hidden(self, rows: torch.Tensor, at: int = 0) -> None:
+        """Write rows for positions [at, at + len(rows)) into a buffer that doubles when full."""
+        need = at + rows.shape[0]
+        if self._hidden is None or self._hidden.shape[0] < need:
+            cap = max(need, 2 * (0 if self._hidden is None else self._hidden.shape[0]), 256)
+            buf = torch.empty((cap, rows.shape[1]), dtype=torch.float32, device=rows.device)
+            if self._hidden is not None:
+                buf[: self._hidden.shape[0]] = self._hidden
+            self._hidden = buf
+        self._hidden[at:need] = rows.float()
+
     def hidden_states(self) -> torch.Tensor:
-        """Hidden states (layer `hidden_layer`) of every cached position, in order."""
-        return torch.cat(self.hidden_rows) if self.hidden_rows else torch.zeros(0)
+        """Hidden states (layer `hidden_layer`) of every cached position, in order: [cached, d]."""
+        if self._hidden is None:
+            return torch.zeros(0)
+        return self._hidden[: self.cached]

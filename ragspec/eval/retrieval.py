@@ -58,6 +58,7 @@ def evaluate(index: Index, queries: dict[str, str], qrels: dict[str, dict[str, i
     if reranker:
         stages["reranked"] = []
     ann_recalls = []
+    sweep = {p: [] for p in (8, 16, 32, 64)}  # ANN recall@10 as a function of nprobe
     ann_ret = Retriever(ann_index, RetrieverSettings(mode="dense"), embedder=retriever.embedder) if ann_index else None
     dense_ms = []
     for qid in qids:
@@ -81,6 +82,12 @@ def evaluate(index: Index, queries: dict[str, str], qrels: dict[str, dict[str, i
             exact = [i for i, _ in dense[:10]]
             approx = [i for i, _ in ann_ret.dense(vec, 10)]
             ann_recalls.append(len(set(exact) & set(approx)) / max(1, len(exact)))
+            default = ann_index.manifest["faiss"]["nprobe"]
+            for p in sweep:
+                ann_index.set_nprobe(p)
+                got = [i for i, _ in ann_ret.dense(vec, 10)]
+                sweep[p].append(len(set(exact) & set(got)) / max(1, len(exact)))
+            ann_index.set_nprobe(default)
         if progress:
             progress()
     result = {
@@ -95,6 +102,7 @@ def evaluate(index: Index, queries: dict[str, str], qrels: dict[str, dict[str, i
             if vals
         },
         "ann_recall@10": round(statistics.fmean(ann_recalls), 4) if ann_recalls else None,
+        "ann_recall@10_by_nprobe": {str(p): round(statistics.fmean(v), 4) for p, v in sweep.items() if v} or None,
         "ann_factory": ann_index.manifest["faiss"]["factory"] if ann_index else None,
         "ann_nprobe": ann_index.manifest["faiss"]["nprobe"] if ann_index else None,
         "exact_factory": index.manifest["faiss"]["factory"],

@@ -1,0 +1,1 @@
+"""Benchmarks (`ragspec bench`): speed is measured here, never asserted in tests."""

@@ -1,0 +1,210 @@
+"""`ragspec bench`: vanilla HF greedy, HF prompt lookup and ragspec's drafters on Spec-Bench prompts.
+
+Methods run interleaved per prompt after a warm-up, in one process, on the same chat-templated prompt.
+Every output is compared with vanilla greedy token by token; a divergence is reported with its position and
+the target's top-2 logit margin there (< 1e-4: a numerical tie; > 1e-3: a bug).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import tracemalloc
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from ragspec.decoding.budget import AdaptiveBudget, calibrate
+from ragspec.decoding.drafters import make_drafter
+from ragspec.decoding.drafters.base import DraftState
+from ragspec.decoding.generate import SpeculativeGenerator
+from ragspec.errors import RagspecError
+
+HF_METHODS = ("vanilla", "hf-pld")
+
+
+def load_prompts(path: Path, category: str, limit: int | None) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                obj = json.loads(line)
+                if obj.get("category") == category:
+                    rows.append(obj)
+    if not rows:
+        raise RagspecError(f"no prompts of category '{category}' in {path}")
+    return rows[:limit] if limit else rows
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def hf_generate(model, prompt: list[int], max_new: int, eos: list[int], lookup: int = 0) -> tuple[list[int], float]:
+    kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    ids = torch.tensor([prompt], device=model.device)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+                             eos_token_id=eos, pad_token_id=eos[0], **kw)
+    return out[0, len(prompt):].tolist(), (time.perf_counter() - t) * 1000
+
+
+def prefill_ms(model, prompt: list[int]) -> float:
+    ids = torch.tensor([prompt], device=model.device)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        model(input_ids=ids, logits_to_keep=1)
+    return (time.perf_counter() - t) * 1000
+
+
+def top2_margin(model, prompt: list[int], prefix: list[int]) -> float:
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt + prefix], device=model.device), logits_to_keep=1).logits[0, -1]
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
+
+
+def drafter_memory_mb(method: str, model, tokens: int = 4096) -> float:
+    """Peak Python heap of preparing a drafter on a `tokens`-long context and drafting 128 steps."""
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, min(model.config.vocab_size, 32000), (tokens,), generator=g).tolist()
+    ctx = ctx[: tokens // 2] + ctx[: tokens // 2]  # repeated text, so drafts are found
+    tracemalloc.start()
+    drafter = make_drafter(method, model)
+    state = DraftState(tokens=list(ctx), prompt_len=len(ctx))
+    tracemalloc.stop()
+    if drafter.hidden_layer is not None:
+        state.hidden = torch.zeros((len(ctx) + 128, model.config.hidden_size))  # the verifier's buffer
+    tracemalloc.start()
+    drafter.prepare(state)
+    for i in range(128):
+        drafter.propose(state, 64)
+        state.tokens.append(ctx[i])
+        drafter.update(state, [ctx[i]])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    # tracemalloc sees Python objects (the drafter's index and trees), not torch buffers: the hidden states
+    # PLD+ reads are the verifier's, kept for the forward anyway
+    return round(peak / 1e6, 2)
+
+
+def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new_tokens: int = 128,
+              budget: str | int = "auto", progress=None, model_name: str = "", category: str = "") -> dict:
+    unknown = [m for m in methods if m not in HF_METHODS and m not in ("pld", "trie", "pldplus-h", "none")]
+    if unknown:
+        raise RagspecError(f"unknown bench method(s): {', '.join(unknown)}")
+    if "vanilla" not in methods:
+        methods = ["vanilla"] + methods
+    eos = sorted(SpeculativeGenerator(model, tokenizer).eos)
+    cost = calibrate(model) if budget == "auto" else None
+    budgets = {m: (AdaptiveBudget(cost) if cost else int(budget)) for m in methods if m not in HF_METHODS}
+    drafters = {m: make_drafter(m, model) for m in methods if m not in HF_METHODS}
+    # warm-up: every method once on a short run
+    warm = chat_ids(tokenizer, prompts[0]["turns"][0])
+    for m in methods:
+        _run_one(m, model, tokenizer, warm, 8, eos, drafters, budgets)
+    acc = defaultdict(lambda: defaultdict(float))
+    hist = defaultdict(list)
+    divergences = defaultdict(list)
+    identical = defaultdict(int)
+    for n, row in enumerate(prompts):
+        prompt = chat_ids(tokenizer, row["turns"][0])
+        pre = prefill_ms(model, prompt)
+        ref = None
+        for m in methods:
+            toks, total_ms, stats = _run_one(m, model, tokenizer, prompt, max_new_tokens, eos, drafters, budgets)
+            if m == "vanilla":
+                ref = toks
+            a = acc[m]
+            a["tokens"] += len(toks)
+            a["total_ms"] += total_ms
+            a["decode_ms"] += stats["decode_ms"] if stats else max(total_ms - pre, 1e-6)
+            a["decode_tokens"] += len(toks) if stats else max(len(toks) - 1, 0)
+            if stats:
+                a["steps"] += stats["steps"]
+                a["draft_ms"] += stats["draft_ms"]
+                a["verify_ms"] += stats["verify_ms"]
+                a["tree_nodes"] += stats["tree_nodes"]
+                hist[m].extend(stats["accepted_lengths"])
+            if toks == ref:
+                identical[m] += 1
+            else:
+                pos = next((i for i, (x, y) in enumerate(zip(toks, ref)) if x != y), min(len(toks), len(ref)))
+                margin = top2_margin(model, prompt, ref[:pos])
+                divergences[m].append({"prompt": row.get("question_id", n), "position": pos,
+                                       "top2_margin": round(margin, 6),
+                                       "verdict": "tie" if margin < 1e-4 else ("bug" if margin > 1e-3 else "unclear")})
+        if progress:
+            progress()
+    van = acc["vanilla"]
+    van_tps = van["tokens"] / (van["total_ms"] / 1000)
+    result = {"model": model_name, "category": category, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+              "budget": budget if isinstance(budget, int) else "auto",
+              "cost_model": cost.as_dict() if cost else None, "methods": {}}
+    for m in methods:
+        a = acc[m]
+        tps = a["tokens"] / (a["total_ms"] / 1000)
+        steps = a["steps"]
+        result["methods"][m] = {
+            "tokens_per_s": round(tps, 3),
+            "decode_tokens_per_s": round(a["decode_tokens"] / (a["decode_ms"] / 1000), 3),
+            "speedup": round(tps / van_tps, 3),
+            "mean_accepted": round(a["tokens"] / steps, 3) if steps else None,
+            "draft_ms_per_step": round(a["draft_ms"] / steps, 3) if steps else None,
+            "verify_ms_per_step": round(a["verify_ms"] / steps, 3) if steps else None,
+            "draft_share": round(a["draft_ms"] / (a["draft_ms"] + a["verify_ms"]), 4) if steps else None,
+            "tree_nodes_per_step": round(a["tree_nodes"] / steps, 2) if steps else None,
+            "identical": identical[m],
+            "divergences": divergences[m],
+            "accepted_histogram": _histogram(hist[m]) if hist[m] else None,
+            "drafter_memory_mb_4k": drafter_memory_mb(m, model) if m not in HF_METHODS and m != "none" else None,
+        }
+    return result
+
+
+def _run_one(m, model, tokenizer, prompt, max_new, eos, drafters, budgets):
+    if m == "vanilla":
+        toks, ms = hf_generate(model, prompt, max_new, eos)
+        return toks, ms, None
+    if m == "hf-pld":
+        toks, ms = hf_generate(model, prompt, max_new, eos, lookup=10)
+        return toks, ms, None
+    gen = SpeculativeGenerator(model, tokenizer, drafter=drafters[m], max_new_tokens=max_new, eos_token_ids=eos,
+                               budget=budgets[m])
+    t = time.perf_counter()
+    for _ in gen.stream(prompt):
+        pass
+    ms = (time.perf_counter() - t) * 1000
+    return gen.tokens, ms, gen.stats.as_dict()
+
+
+def _histogram(lengths: list[int]) -> dict:
+    h: dict[int, int] = defaultdict(int)
+    for x in lengths:
+        h[x] += 1
+    return {str(k): h[k] for k in sorted(h)}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ms = [m for m, r in result["methods"].items() if r["accepted_histogram"]]
+    fig, axes = plt.subplots(1, max(1, len(ms)), figsize=(4 * max(1, len(ms)), 3.2), squeeze=False)
+    for ax, m in zip(axes[0], ms):
+        h = result["methods"][m]["accepted_histogram"]
+        xs = [int(k) for k in h]
+        ax.bar(xs, [h[str(x)] for x in xs])
+        r = result["methods"][m]
+        ax.set_title(f"{m}: {r['speedup']}×, {r['mean_accepted']} tok/step")
+        ax.set_xlabel("tokens per step")
+    axes[0][0].set_ylabel("steps")
+    fig.suptitle(f"{result['model']} — {result['category']} ({result['prompts']} prompts)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,130 @@
+"""Cost-aware draft budget: how many tree nodes are worth verifying on this model and device.
+
+On a CPU the forward cost grows with the number of tokens checked (n-grammys-batched-speculation.txt §3:
+memory-bound for a few tokens, compute-bound beyond), so a bigger tree is not free. We measure the verify
+forward time t(n) for n input tokens once per model/device/dtype (cached as JSON), track how often the
+drafter's node of each rank is accepted, and take the tree size k that maximises the expected time saved:
+
+    saved(k) = t(1) · Σ_{r<k} accept_rate[r]  −  (t(1 + k) − t(1))
+
+(an accepted token saves about one plain decoding step; the extra k tokens cost t(1+k) − t(1)).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ragspec.paths import ragspec_home
+
+SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass
+class CostModel:
+    sizes: list[int]
+    ms: list[float]
+
+    def time(self, n: int) -> float:
+        """t(n) by linear interpolation (extrapolated linearly past the last size)."""
+        s, m = self.sizes, self.ms
+        if n <= s[0]:
+            return m[0]
+        for i in range(1, len(s)):
+            if n <= s[i]:
+                f = (n - s[i - 1]) / (s[i] - s[i - 1])
+                return m[i - 1] + f * (m[i] - m[i - 1])
+        slope = (m[-1] - m[-2]) / (s[-1] - s[-2])
+        return m[-1] + slope * (n - s[-1])
+
+    def as_dict(self) -> dict:
+        return {"sizes": self.sizes, "ms": [round(x, 3) for x in self.ms]}
+
+
+def _model_key(model) -> str:
+    cfg = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else str(model.config)
+    dev = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    import torch
+
+    threads = torch.get_num_threads() if dev.type == "cpu" else 0
+    h = hashlib.sha256(cfg.encode()).hexdigest()[:12]
+    return f"{getattr(model.config, 'model_type', 'model')}-{h}-{dev.type}-{str(dtype).split('.')[-1]}-t{threads}"
+
+
+def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | None = None, force: bool = False,
+              sizes=SIZES) -> CostModel:
+    """Measure (or load) t(n): the median wall time of a forward of n tokens over a `context`-token cache."""
+    import torch
+    from transformers import DynamicCache
+
+    folder = cache_dir or ragspec_home() / "calibration"
+    path = folder / f"{_model_key(model)}.json"
+    if path.exists() and not force:
+        data = json.loads(path.read_text())
+        return CostModel(data["sizes"], data["ms"])
+    dev = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randint(100, min(vocab, 30000), (1, context), generator=gen).to(dev)
+    ms = []
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for n in sizes:
+            ids = torch.randint(100, min(vocab, 30000), (1, n), generator=gen).to(dev)
+            pos = torch.arange(context, context + n, device=dev)[None]
+            times = []
+            for _ in range(repeats + 1):
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append((time.perf_counter() - t) * 1000)
+                for layer in cache.layers:  # back to the context only
+                    layer.keys = layer.keys[:, :, :context]
+                    layer.values = layer.values[:, :, :context]
+            ms.append(sorted(times[1:])[len(times[1:]) // 2])
+    model_cost = CostModel(list(sizes), ms)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(model_cost.as_dict() | {"context": context, "key": path.stem}, indent=2))
+    tmp.replace(path)
+    return model_cost
+
+
+@dataclass
+class AdaptiveBudget:
+    """Per-rank acceptance rates (exponential moving averages) + the cost model → the tree size to use."""
+
+    cost: CostModel
+    max_nodes: int = 256
+    alpha: float = 0.15
+    rates: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.rates:
+            # optimistic prior: early ranks are often right on copy-heavy tasks; later ones rarely
+            self.rates = [0.8 / (1 + r / 8) for r in range(self.max_nodes)]
+
+    def budget(self) -> int:
+        t1 = self.cost.time(1)
+        best_k, best_saved, gain = 0, 0.0, 0.0
+        for k in range(1, self.max_nodes + 1):
+            gain += self.rates[k - 1] * t1
+            saved = gain - (self.cost.time(1 + k) - t1)
+            if saved > best_saved:
+                best_k, best_saved = k, saved
+        return best_k
+
+    def observe(self, tree_size: int, accepted_ranks: list[int]) -> None:
+        """Update with one step: nodes 0..tree_size-1 were verified, `accepted_ranks` were accepted."""
+        hit = set(accepted_ranks)
+        a = self.alpha
+        for r in range(min(tree_size, self.max_nodes)):
+            self.rates[r] = (1 - a) * self.rates[r] + a * (1.0 if r in hit else 0.0)

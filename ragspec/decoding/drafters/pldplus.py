@@ -1,0 +1,79 @@
+"""PLD+ (pld-plus.txt §4.2): prompt lookup whose candidate occurrences are ranked by the model's own
+artifacts instead of taking the first match.
+
+Candidates are the positions j where the last token x_t occurs earlier (Eq. 1). `pldplus-h` ranks them by
+the cosine between the layer-l hidden states H_{j-1} and H_{t-1} (Eq. 3); the hidden states come from the
+verifier's own forwards (prefill and accepted positions), never an extra pass. The K tokens after the best
+j are the draft (§4.3); `branches > 1` verifies the next-best occurrences too, as siblings in one tree.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from ragspec.decoding.drafters.base import DraftState
+from ragspec.decoding.tree import DraftTree
+
+
+def default_layer(model_config) -> int:
+    """The paper tunes l=9 of 32 layers on Vicuna-7B; we keep the same relative depth (hidden_states[l])."""
+    n = int(getattr(model_config, "num_hidden_layers", 12))
+    return max(1, round(n * 9 / 32))
+
+
+class PLDPlusHiddenDrafter:
+    name = "pldplus-h"
+
+    def __init__(self, layer: int, num_tokens: int = 70, branches: int = 1, max_candidates: int = 512):
+        self.hidden_layer = layer
+        self.num_tokens = num_tokens
+        self.branches = branches
+        self.max_candidates = max_candidates
+        self._pos: dict[int, list[int]] = defaultdict(list)
+        self._indexed = 0
+
+    def prepare(self, state: DraftState) -> None:
+        self._pos = defaultdict(list)
+        self._indexed = 0
+        self._extend(state.tokens)
+
+    def update(self, state: DraftState, new_tokens: list[int]) -> None:
+        self._extend(state.tokens)
+
+    def _extend(self, seq: list[int]) -> None:
+        for p in range(self._indexed, len(seq)):
+            self._pos[seq[p]].append(p)
+        self._indexed = len(seq)
+
+    def candidates(self, state: DraftState) -> list[int]:
+        """Positions j < t with x_j = x_t that have a continuation and a hidden state H_{j-1}."""
+        seq = state.tokens
+        t = len(seq) - 1
+        return [j for j in self._pos.get(seq[t], []) if 1 <= j < t][-self.max_candidates :]
+
+    def rank(self, state: DraftState, cands: list[int]) -> list[int]:
+        h = state.hidden
+        t = len(state.tokens) - 1
+        if h is None or len(h) < t or not cands:
+            return cands  # no artifacts yet: first-occurrence order, as plain PLD
+        query = h[t - 1]
+        keys = h[torch.tensor([j - 1 for j in cands])]
+        sims = torch.nn.functional.cosine_similarity(keys, query[None], dim=-1)
+        order = torch.argsort(sims, descending=True, stable=True).tolist()
+        return [cands[i] for i in order]
+
+    def propose(self, state: DraftState, budget: int) -> DraftTree:
+        tree = DraftTree()
+        k = min(self.num_tokens, budget)
+        if k <= 0:
+            return tree
+        seq = state.tokens
+        for j in self.rank(state, self.candidates(state))[: self.branches]:
+            draft = seq[j + 1 : j + 1 + k]
+            sources = [p if p < state.prompt_len else -1 for p in range(j + 1, j + 1 + len(draft))]
+            tree.add_chain(draft, sources, budget=budget)
+            if len(tree) >= budget:
+                break
+        return tree

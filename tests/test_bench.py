@@ -1,0 +1,29 @@
+"""`ragspec bench` runs end to end on SmolLM2 and writes the documented JSON (speed is not asserted)."""
+
+import json
+
+from typer.testing import CliRunner
+
+from ragspec.cli import app
+
+
+def test_bench_json_schema(tmp_path):
+    prompts = tmp_path / "q.jsonl"
+    text = ("Summarize: The Danube flows through ten countries. It rises in the Black Forest and ends in the "
+            "Black Sea. The Danube flows through ten countries, more than any other river.")
+    prompts.write_text(json.dumps({"question_id": 1, "category": "summarization", "turns": [text]}) + "\n")
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["bench", "--prompts", str(prompts), "--category", "summarization", "--model",
+                                 "smollm2-135m-instruct", "--methods", "vanilla,hf-pld,pld,trie,pldplus-h",
+                                 "--max-new-tokens", "12", "--budget", "16", "--json", str(out), "--plot",
+                                 str(tmp_path / "p.png")])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    assert {"model", "category", "prompts", "max_new_tokens", "methods"} <= set(res)
+    for name in ("vanilla", "hf-pld", "pld", "trie", "pldplus-h"):
+        m = res["methods"][name]
+        assert {"tokens_per_s", "decode_tokens_per_s", "speedup", "mean_accepted", "draft_ms_per_step",
+                "verify_ms_per_step", "identical", "divergences"} <= set(m)
+        assert m["identical"] == 1 and m["divergences"] == []
+    assert res["methods"]["vanilla"]["speedup"] == 1.0
+    assert (tmp_path / "p.png").stat().st_size > 0

@@ -1,0 +1,94 @@
+"""Sampling through draft trees keeps the model's distribution exactly: the empirical distribution of the
+first two generated tokens matches the model's (chi-square), with enough samples to catch a 5% error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from ragspec.decoding.sampling import SamplingSettings, target_probs
+from ragspec.decoding.tree import DraftTree
+from ragspec.decoding.verifier import Verifier
+
+SAMPLES = 3000
+SETTINGS = SamplingSettings(temperature=1.0, top_k=5, top_p=0.97, seed=1234)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from ragspec.models.generator import load_generator
+
+    return load_generator("smollm2-135m-instruct")
+
+
+def exact_joint(model, prompt):
+    """p(t1, t2) under the sampling settings, from plain forwards."""
+    with torch.inference_mode():
+        p1 = target_probs(model(torch.tensor([prompt])).logits[0, -1], SETTINGS)
+        joint = {}
+        for t1 in torch.nonzero(p1).flatten().tolist():
+            p2 = target_probs(model(torch.tensor([prompt + [t1]])).logits[0, -1], SETTINGS)
+            for t2 in torch.nonzero(p2).flatten().tolist():
+                joint[(t1, t2)] = float(p1[t1] * p2[t2])
+    return p1, joint
+
+
+def draft_tree(p1, joint, prefix=None):
+    """Several candidates per level: the second-likeliest first, then the likeliest, then an impossible one,
+    each with children — every branch of the rejection scheme gets exercised."""
+    t = DraftTree()
+    order = torch.argsort(p1, descending=True).tolist()
+    level1 = [order[1], order[0], order[-1]] if prefix is None else []
+    for a in level1:
+        node = t.add(-1, a)
+        kids = sorted((k[1] for k in joint if k[0] == a), key=lambda b: -joint[(a, b)])
+        for b in (kids[1:2] + kids[:1] + [order[-1]]):
+            t.add(node, b)
+    if prefix is not None:
+        kids = sorted((k[1] for k in joint if k[0] == prefix), key=lambda b: -joint[(prefix, b)])
+        for b in kids[1:2] + kids[:1] + [order[-1]]:
+            t.add(-1, b)
+    return t
+
+
+def test_first_two_tokens_follow_the_model(smol):
+    model, tok = smol
+    msgs = [{"role": "user", "content": "Name one colour of the rainbow."}]
+    prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    p1, joint = exact_joint(model, prompt)
+    base = Verifier(model, SETTINGS)
+    base.prefill(prompt)
+    counts: dict[tuple[int, int], int] = {}
+    for _ in range(SAMPLES):
+        v = base.fork()
+        res = v.step(draft_tree(p1, joint))
+        toks = res.tokens
+        if len(toks) < 2:
+            toks = toks + v.step(draft_tree(p1, joint, prefix=toks[0])).tokens[:1]
+        key = (toks[0], toks[1])
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(joint), "sampled a pair the model gives zero probability"
+    cells = sorted(joint, key=lambda k: -joint[k])
+    expected = np.array([joint[k] for k in cells]) * SAMPLES
+    observed = np.array([counts.get(k, 0) for k in cells], dtype=float)
+    big = expected >= 5  # pool the rare cells so the chi-square approximation holds
+    exp = np.append(expected[big], expected[~big].sum())
+    obs = np.append(observed[big], observed[~big].sum())
+    if exp[-1] < 5:
+        exp[-2] += exp[-1]
+        obs[-2] += obs[-1]
+        exp, obs = exp[:-1], obs[:-1]
+    chi2, pvalue = stats.chisquare(obs, exp * obs.sum() / exp.sum())
+    assert pvalue > 1e-3, (chi2, pvalue)
+    # power: moving 5% of the probability mass from the likeliest pair to the next is detected
+    q = exp / exp.sum()
+    shifted = q.copy()
+    shifted[0] -= 0.05
+    shifted[1] += 0.05
+    noncentral = SAMPLES * float(np.sum((shifted - q) ** 2 / q))
+    critical = stats.chi2.ppf(1 - 1e-3, len(q) - 1)
+    power = 1 - stats.ncx2.cdf(critical, len(q) - 1, noncentral)
+    assert power > 0.95, power
