@@ -144,3 +144,16 @@ def test_sigkill_mid_embedding_keeps_previous_index(tmp_path, embedder):
     s = build_index(corpus, target, SMALL, embedder=embedder, show_progress=False)
     assert s.added == 40 and not list(target.parent.glob(".corpus.tmp-*"))
     assert "interrupted" in " ".join(s.notes)
+
+
+def test_reuse_from_seeds_a_twin_without_embedding(corpus, tmp_path, embedder):
+    a = tmp_path / "exact"
+    build_index(corpus, a, SMALL, embedder=embedder, show_progress=False)
+    b = tmp_path / "twin"
+    s = build_index(corpus, b, SMALL.model_copy(update={"index_type": "flat", "nprobe": 8}), embedder=embedder,
+                    show_progress=False, reuse_from=a)
+    assert not s.up_to_date and s.embedded == 0 and s.reused == s.chunks
+    twin = Index(b)
+    assert twin.store.count_chunks() == Index(a).store.count_chunks()
+    hits = Retriever(twin, RetrieverSettings(top_n=1), embedder=embedder).search("knead the dough")
+    assert hits[0].path.endswith("bread.rst")

@@ -102,6 +102,7 @@ def build_index(
         if stale:
             summary.notes.append(f"removed {stale} unfinished build(s) left by an interrupted run")
         prev = _open_previous(target)
+        own = prev is not None  # "up to date" only ever means the target's own previous version
         if prev is None and reuse_from is not None:
             prev = _open_previous(Path(reuse_from))
         compatible = prev is not None and _compatible(prev.manifest, settings)
@@ -146,7 +147,8 @@ def build_index(
         )
         plan_n = prev.store.count_chunks() if prev is not None else 0
         if (
-            compatible
+            own
+            and compatible
             and not new_docs
             and summary.deleted == 0
             and not touched
