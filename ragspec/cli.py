@@ -62,17 +62,15 @@ def _quiet_libraries() -> None:
 def _index_settings(**overrides):
     from ragspec.settings import IndexSettings
 
+    from pydantic import ValidationError
+
+    from ragspec.spec import describe_error
+
     data = {k: v for k, v in overrides.items() if v is not None}
     try:
         return IndexSettings(**data)
-    except Exception as exc:  # pydantic ValidationError: name the field
-        from pydantic import ValidationError
-
-        if isinstance(exc, ValidationError):
-            err = exc.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"]) or "settings"
-            raise RagspecError(f"bad index setting {loc}: {err['msg']}") from None
-        raise
+    except ValidationError as exc:
+        raise RagspecError(describe_error(exc, "index settings")) from None
 
 
 @app.command()

@@ -116,14 +116,6 @@ def read_file(src: SourceFile, report: ScanReport) -> list[Document]:
     return [_document(src, r, digest, encoding) for r in records]
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def iter_documents(root: Path, report: ScanReport | None = None) -> Iterator[Document]:
     report = report if report is not None else ScanReport()
     for src in walk(root, report):

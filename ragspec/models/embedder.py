@@ -90,14 +90,13 @@ def load_embedder(name: str, device: str = "cpu", dtype: str = "auto", max_token
     `max_tokens` raises the model's truncation length to fit chunks of that many tokens (never past its
     position limit).
     """
-    import torch
     from sentence_transformers import SentenceTransformer
 
     if dtype == "auto":
         dtype = best_cpu_dtype() if device == "cpu" else "float16"
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
-    if torch_dtype is None:
-        raise RagspecError(f"embedder dtype '{dtype}' is not one of auto, float32, bfloat16, float16")
+    from ragspec.models.generator import torch_dtype
+
+    dt = torch_dtype(dtype, "embedder")
     embedded = lookup(name, "embedder")
     if embedded is not None:
         folder = part_paths(embedded)[0]
@@ -113,7 +112,7 @@ def load_embedder(name: str, device: str = "cpu", dtype: str = "auto", max_token
         source = resolve_hub_or_folder(name, "embedder")
         canonical = name
     try:
-        model = SentenceTransformer(source, device=device, model_kwargs={"dtype": torch_dtype})
+        model = SentenceTransformer(source, device=device, model_kwargs={"dtype": dt})
     except RagspecError:
         raise
     except Exception as exc:  # transformers / hub errors: one line for the user

@@ -6,6 +6,16 @@ from ragspec.errors import RagspecError
 from ragspec.models.registry import hub_error, lookup, resolve_hub_or_folder
 
 
+def torch_dtype(name: str, what: str):
+    """The torch dtype for a setting's name; a bad name is a one-line error."""
+    import torch
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise RagspecError(f"{what} dtype '{name}' is not one of {', '.join(dtypes)}")
+    return dtypes[name]
+
+
 def generator_source(name: str) -> str:
     """A path or hub id `from_pretrained` can load; embedded GGUF models are converted once and cached."""
     embedded = lookup(name, "generator")
@@ -18,16 +28,13 @@ def generator_source(name: str) -> str:
 
 def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
     """(model, tokenizer), the model in eval mode on `device`."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
-    if torch_dtype is None:
-        raise RagspecError(f"generator dtype '{dtype}' is not one of float32, bfloat16, float16")
+    dt = torch_dtype(dtype, "generator")
     source = generator_source(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dt).to(device)
     except RagspecError:
         raise
     except Exception as exc:

@@ -5,6 +5,7 @@ the draft. The comparison baseline."""
 from __future__ import annotations
 
 from ragspec.decoding.drafters.base import DraftState
+from ragspec.decoding.drafters.ngram_index import NgramIndex
 from ragspec.decoding.tree import DraftTree
 
 
@@ -15,12 +16,14 @@ class PromptLookupDrafter:
     def __init__(self, num_tokens: int = 10, max_ngram: int = 2):
         self.num_tokens = num_tokens
         self.max_ngram = max_ngram
+        self._index = NgramIndex(max_ngram)
 
     def prepare(self, state: DraftState) -> None:
-        pass
+        self._index = NgramIndex(self.max_ngram)
+        self._index.extend(state.tokens)
 
     def update(self, state: DraftState, new_tokens: list[int]) -> None:
-        pass
+        self._index.extend(state.tokens)
 
     def propose(self, state: DraftState, budget: int) -> DraftTree:
         seq = state.tokens
@@ -30,13 +33,11 @@ class PromptLookupDrafter:
         if k <= 0:
             return tree
         for n in range(min(self.max_ngram, n_seq - 1), 0, -1):
-            suffix = seq[n_seq - n :]
-            for start in range(0, n_seq - n):  # first occurrence, excluding the suffix itself
-                if seq[start : start + n] == suffix:
+            for start in self._index.positions(seq[n_seq - n :]):  # first occurrence, not the suffix itself
+                if start + n < n_seq:
                     begin = start + n
-                    draft = seq[begin : min(begin + k, n_seq)]
-                    if draft:
-                        sources = [p if p < state.prompt_len else -1 for p in range(begin, begin + len(draft))]
-                        tree.add_chain(draft, sources)
-                        return tree
+                    draft = seq[begin : begin + k]
+                    sources = [p if p < state.prompt_len else -1 for p in range(begin, begin + len(draft))]
+                    tree.add_chain(draft, sources)
+                    return tree
         return tree

@@ -9,11 +9,10 @@ j are the draft (§4.3); `branches > 1` verifies the next-best occurrences too, 
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
 from ragspec.decoding.drafters.base import DraftState
+from ragspec.decoding.drafters.ngram_index import NgramIndex
 from ragspec.decoding.tree import DraftTree
 
 
@@ -31,27 +30,20 @@ class PLDPlusHiddenDrafter:
         self.num_tokens = num_tokens
         self.branches = branches
         self.max_candidates = max_candidates
-        self._pos: dict[int, list[int]] = defaultdict(list)
-        self._indexed = 0
+        self._index = NgramIndex(1)
 
     def prepare(self, state: DraftState) -> None:
-        self._pos = defaultdict(list)
-        self._indexed = 0
-        self._extend(state.tokens)
+        self._index = NgramIndex(1)
+        self._index.extend(state.tokens)
 
     def update(self, state: DraftState, new_tokens: list[int]) -> None:
-        self._extend(state.tokens)
-
-    def _extend(self, seq: list[int]) -> None:
-        for p in range(self._indexed, len(seq)):
-            self._pos[seq[p]].append(p)
-        self._indexed = len(seq)
+        self._index.extend(state.tokens)
 
     def candidates(self, state: DraftState) -> list[int]:
         """Positions j < t with x_j = x_t that have a continuation and a hidden state H_{j-1}."""
         seq = state.tokens
         t = len(seq) - 1
-        return [j for j in self._pos.get(seq[t], []) if 1 <= j < t][-self.max_candidates :]
+        return [j for j in self._index.positions(seq[t:]) if 1 <= j < t][-self.max_candidates :]
 
     def rank(self, state: DraftState, cands: list[int]) -> list[int]:
         h = state.hidden

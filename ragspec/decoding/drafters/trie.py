@@ -14,9 +14,8 @@ context it was copied from. Generated tokens extend the index as they are accept
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from ragspec.decoding.drafters.base import DraftState
+from ragspec.decoding.drafters.ngram_index import NgramIndex
 from ragspec.decoding.tree import DraftTree
 
 
@@ -28,27 +27,15 @@ class NgramTrieDrafter:
         if not 1 <= lp < n:
             raise ValueError(f"need 1 ≤ L_p < n, got L_p={lp}, n={n}")
         self.n, self.lp, self.num_draft, self.max_occurrences = n, lp, num_draft, max_occurrences
-        self._index: list[dict[tuple, list[int]]] = []
-        self._indexed = 0  # tokens whose k-grams are all indexed
+        self._index = NgramIndex(lp)
 
     # -- index ---------------------------------------------------------------------------------------------
     def prepare(self, state: DraftState) -> None:
-        self._index = [defaultdict(list) for _ in range(self.lp + 1)]
-        self._indexed = 0
-        self._extend(state.tokens)
+        self._index = NgramIndex(self.lp)
+        self._index.extend(state.tokens)
 
     def update(self, state: DraftState, new_tokens: list[int]) -> None:
-        self._extend(state.tokens)
-
-    def _extend(self, seq: list[int]) -> None:
-        """Index every k-gram (1 ≤ k ≤ L_p) that ends within `seq` and was not indexed yet."""
-        for end in range(self._indexed + 1, len(seq) + 1):  # k-grams ending at token `end - 1`
-            for k in range(1, self.lp + 1):
-                start = end - k
-                if start < 0:
-                    break
-                self._index[k][tuple(seq[start:end])].append(start)
-        self._indexed = len(seq)
+        self._index.extend(state.tokens)
 
     # -- drafting ------------------------------------------------------------------------------------------
     def propose(self, state: DraftState, budget: int) -> DraftTree:
@@ -58,7 +45,7 @@ class NgramTrieDrafter:
             return DraftTree()
         depth = self.n - self.lp
         for k in range(min(self.lp, len(seq)), 0, -1):
-            occ = self._index[k].get(tuple(seq[len(seq) - k :]))
+            occ = self._index.positions(seq[len(seq) - k :])
             if not occ:
                 continue
             starts = [p for p in occ if p + k < len(seq)][-self.max_occurrences :]  # most recent first below
