@@ -29,5 +29,5 @@ test: install
 quickstart: install
 	$(PY) examples/pydoc_corpus.py $(QUICKSTART_CORPUS)
 	$(VENV)/bin/ragspec index $(QUICKSTART_CORPUS) --name pydoc-topics
-	$(VENV)/bin/ragspec info indexes/pydoc-topics
-	$(VENV)/bin/ragspec search indexes/pydoc-topics "How does the with statement call __enter__ and __exit__?" -k 3
+	$(VENV)/bin/ragspec ask "What does the with statement do with __enter__ and __exit__?" \
+		--index indexes/pydoc-topics --pipeline pipelines/default.yaml

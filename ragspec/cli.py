@@ -267,6 +267,42 @@ def eval_retrieval(
     _run(body)
 
 
+@app.command("eval-attribution")
+def eval_attribution(
+    data: Path = typer.Option(Path("../shared/data/quotesum/dev_public.jsonl"), "--data", help="QuoteSum JSONL"),
+    model: str = typer.Option("qwen2.5-coder-0.5b-instruct", "--model", help="whose tokenizer (and hidden states)"),
+    method: str = typer.Option("trie", "--drafting", help="drafter whose provenance breaks ties"),
+    min_words: int = typer.Option(3, "--min-words"),
+    min_chars: int = typer.Option(10, "--min-chars"),
+    limit: Optional[int] = typer.Option(None, "--limit"),
+    as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
+):
+    """Copied-span attribution on QuoteSum (PLD+ Appendix D): token P/R/F1 for copied and for source."""
+
+    def body():
+        _quiet_libraries()
+        from ragspec.console import progress
+        from ragspec.eval.attribution import evaluate
+        from ragspec.models.generator import load_generator
+
+        if not data.exists():
+            raise RagspecError(f"{data} does not exist")
+        lm, tok = load_generator(model)
+        total = limit or sum(1 for line in data.open(encoding="utf-8") if line.strip())
+        with progress() as bar:
+            task = bar.add_task("QuoteSum", total=total)
+            r = evaluate(data, tok, lm, method, min_words, min_chars, limit, progress=lambda: bar.advance(task))
+        if as_json:
+            sys.stdout.write(json.dumps(r, indent=2) + "\n")
+            return
+        for part in ("copied", "attribution"):
+            m = r[part]
+            console.print(f"{part:12} P {m['precision']:.4f}  R {m['recall']:.4f}  F1 {m['f1']:.4f}  "
+                          f"({m['tokens']} gold copied tokens, {r['records']} records)")
+
+    _run(body)
+
+
 @app.command("bench-search")
 def bench_search(
     index_path: Path = typer.Argument(..., metavar="INDEX"),
@@ -349,6 +385,152 @@ def bench(
         Console().print(t)
 
     _run(body)
+
+
+@app.command()
+def ask(
+    question: str = typer.Argument(...),
+    index_path: Optional[Path] = typer.Option(None, "--index", help="index path (default: the spec's retriever.index)"),
+    spec: Optional[Path] = typer.Option(None, "--pipeline", help="pipeline YAML (default: pipelines/default.yaml settings)"),
+    as_json: bool = typer.Option(False, "--json", help="print the Answer as one JSON document (schema in README)"),
+    no_stream: bool = typer.Option(False, "--no-stream", help="print the answer when it is complete"),
+    model: Optional[str] = typer.Option(None, "--model", help="override generator.model"),
+    method: Optional[str] = typer.Option(None, "--drafting", help="override drafting.method (none|pld|trie|pldplus-h)"),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="override generator.max_new_tokens"),
+):
+    """Answer a question over an index: streamed, copied spans highlighted and cited, sources listed."""
+
+    def body():
+        _quiet_libraries()
+        from ragspec.pipeline import Pipeline
+        from ragspec.pipeline.answer import CitationEvent, DoneEvent, SourcesEvent, TextEvent
+        from ragspec.spec import load_spec
+
+        data = load_spec(spec).model_dump()
+        if model:
+            data["generator"]["model"] = model
+        if method:
+            data["drafting"]["method"] = method
+        if max_new_tokens:
+            data["generator"]["max_new_tokens"] = max_new_tokens
+        pipe = Pipeline(load_spec(data) if (model or method or max_new_tokens) else load_spec(spec),
+                        str(index_path) if index_path else None)
+        with console.status("loading the index and the model…"):
+            pipe.retriever  # noqa: B018 — open the index now, so a bad path fails before the model loads
+            pipe.load()
+        answer = None
+        if as_json or no_stream:
+            with console.status("answering…"):
+                answer = pipe.ask(question)
+            if as_json:
+                sys.stdout.write(json.dumps(answer.as_json(), ensure_ascii=False, indent=2) + "\n")
+                return
+            for w in answer.warnings:
+                console.print(f"[yellow]warning:[/] {w}")
+            _print_answer(answer)
+        else:
+            from rich.console import Console
+
+            out = Console(highlight=False, soft_wrap=True)
+            live = _LiveAnswer(out)
+            for ev in pipe.stream(question):
+                if isinstance(ev, SourcesEvent):
+                    for w in ev.warnings:
+                        console.print(f"[yellow]warning:[/] {w}")
+                elif isinstance(ev, TextEvent):
+                    live.text(ev.text)
+                elif isinstance(ev, CitationEvent):
+                    live.cite(ev.citation)
+                elif isinstance(ev, DoneEvent):
+                    answer = ev.answer
+            live.close()
+        _print_sources(answer)
+        _print_stats(answer)
+
+    _run(body)
+
+
+class _LiveAnswer:
+    """Streams answer text to the terminal; on a terminal, copied spans turn highlighted as they close."""
+
+    def __init__(self, out):
+        self.out = out
+        self.buf = ""
+        self.cites = []
+        self.live = None
+        if out.is_terminal:
+            from rich.live import Live
+
+            self.live = Live(self._render(), console=out, refresh_per_second=12, transient=False)
+            self.live.start()
+
+    def _render(self):
+        from rich.text import Text
+
+        t = Text(self.buf)
+        for c in self.cites:
+            t.stylize("bold green", c.answer_start, c.answer_end)
+        return t
+
+    def text(self, s: str) -> None:
+        self.buf += s
+        if self.live:
+            self.live.update(self._render())
+        else:
+            self.out.file.write(s)
+            self.out.file.flush()
+
+    def cite(self, c) -> None:
+        self.cites.append(c)
+        if self.live:
+            self.live.update(self._render())
+
+    def close(self) -> None:
+        if self.live:
+            self.live.update(self._render())
+            self.live.stop()
+        else:
+            self.out.file.write("\n")
+
+
+def _print_answer(answer) -> None:
+    from rich.console import Console
+    from rich.text import Text
+
+    t = Text(answer.text)
+    for c in answer.citations:
+        t.stylize("bold green", c.answer_start, c.answer_end)
+    Console(highlight=False, soft_wrap=True).print(t)
+
+
+def _print_sources(answer) -> None:
+    from rich.console import Console
+
+    out = Console(highlight=False, soft_wrap=True)
+    out.print()
+    out.print("[bold]Sources[/]")
+    cited = {}
+    for c in answer.citations:
+        cited.setdefault(c.source, []).append(c)
+    for s in answer.sources:
+        where = s.path + (f"#{s.key}" if s.key else "")
+        span = f"lines {s.lines[0]}–{s.lines[1]}" if s.lines else f"chars {s.start}–{s.end}"
+        n = len(cited.get(s.number, []))
+        quoted = f"[green]{n} quote{'s' if n != 1 else ''}[/]" if n else "[dim]not quoted[/]"
+        out.print(f"  [{s.number}] [cyan]{where}[/] {span} [dim](score {s.score:.4f})[/] {quoted}")
+    for c in answer.citations:
+        q = " ".join(c.quote.split())
+        out.print(f"  [dim]└ [{c.source}] chars {c.start}–{c.end}: “{q[:100]}{'…' if len(q) > 100 else ''}”[/]")
+
+
+def _print_stats(answer) -> None:
+    s = answer.stats
+    speed = f" · speed-up ≈ {s.speedup_estimate:.2f}× vs plain decoding" if s.speedup_estimate else ""
+    console.print(
+        f"[dim]retrieval {s.retrieval_ms:.0f} ms · prompt {s.prompt_tokens} tokens, prefill {s.prefill_ms:.0f} ms · "
+        f"{s.new_tokens} tokens in {s.decode_ms / 1000:.1f} s ({s.decode_tokens_per_s:.1f} tok/s, "
+        f"{s.mean_accepted:.2f} tokens/step, drafting {s.drafting}){speed}[/]"
+    )
 
 
 @app.command()

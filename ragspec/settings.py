@@ -1,4 +1,6 @@
-"""Settings for building and searching an index (the `index:` and `retriever:` parts of a pipeline spec)."""
+"""The sections of a pipeline spec: index building, retrieval, prompt, generator, drafting, attribution.
+
+Every field has a default and a description (README lists them); unknown keys are errors."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ragspec.models.registry import DEFAULT_EMBEDDER
+from ragspec.models.registry import DEFAULT_EMBEDDER, DEFAULT_GENERATOR
 
 
 class Strict(BaseModel):
@@ -42,6 +44,7 @@ class IndexSettings(Strict):
 
 
 class RetrieverSettings(Strict):
+    index: str | None = Field(None, description="the built index to search (a path; `Pipeline(index=...)` wins)")
     top_k: int = Field(100, ge=1, description="candidates taken from each first stage (dense, BM25)")
     top_n: int = Field(5, ge=1, description="chunks returned after fusion / reranking")
     mode: Literal["hybrid", "dense", "bm25"] = Field("hybrid", description="first-stage retrieval")
@@ -50,3 +53,45 @@ class RetrieverSettings(Strict):
         None, description="CrossEncoder name (BAAI/bge-reranker-v2-m3 online); none ships offline"
     )
     nprobe: int | None = Field(None, ge=1, description="override the index's nprobe at search time")
+
+
+class PromptSettings(Strict):
+    style: Literal["quote", "free"] = Field(
+        "quote", description="quote: ask the model to copy the sources' wording (faster, verifiable); free: no such ask"
+    )
+    system: str | None = Field(None, description="replace the built-in system instruction of the style")
+    max_context_tokens: int | None = Field(
+        None, ge=64, description="prompt budget; default the model's window minus max_new_tokens"
+    )
+
+
+class GeneratorSettings(Strict):
+    model: str = Field(DEFAULT_GENERATOR, description="embedded name, HF id or folder of a causal LM")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on CPU, bfloat16 on CUDA"
+    )
+    max_new_tokens: int = Field(256, ge=1, description="answer budget, in tokens")
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy (output identical to plain greedy decoding)")
+    top_k: int = Field(0, ge=0, description="sampling: keep the k most likely tokens (0 = all)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="sampling: nucleus mass")
+    seed: int | None = Field(None, description="sampling seed (None: random)")
+    stop: list[str] = Field(default_factory=list, description="stop strings (never part of the answer)")
+
+
+class DraftingSettings(Strict):
+    method: Literal["none", "pld", "trie", "pldplus-h"] = Field(
+        "trie", description="where drafts come from (none = plain decoding through the same verifier)"
+    )
+    budget: int | Literal["auto"] = Field(
+        "auto", description="draft tree size: auto = cost-aware (measured forward cost), or a fixed node count"
+    )
+    params: dict[str, int | float] = Field(
+        default_factory=dict, description="the method's own parameters, e.g. {n: 13, lp: 3, num_draft: 64} for trie"
+    )
+
+
+class AttributionSettings(Strict):
+    enabled: bool = Field(True, description="cite the answer's spans copied from the sources")
+    min_words: int = Field(3, ge=1, description="a copied span needs this many words …")
+    min_chars: int = Field(10, ge=1, description="… or this many characters (one rare long word)")

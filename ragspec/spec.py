@@ -1,7 +1,6 @@
 """Pipeline specs (`pipelines/*.yaml`): pydantic-validated; an unknown key is an error naming that key.
 
-This holds the parts built so far (index, retriever); generation, drafting and attribution settings join it
-as those parts land.
+Sections: index (how to build), retriever (what to search), prompt, generator, drafting, attribution.
 """
 
 from __future__ import annotations
@@ -12,13 +11,18 @@ import yaml
 from pydantic import Field, ValidationError
 
 from ragspec.errors import RagspecError
-from ragspec.settings import IndexSettings, RetrieverSettings, Strict
+from ragspec.settings import (AttributionSettings, DraftingSettings, GeneratorSettings, IndexSettings,
+                              PromptSettings, RetrieverSettings, Strict)
 
 
 class PipelineSpec(Strict):
     name: str = Field("default", description="a label for logs and stats")
     index: IndexSettings = Field(default_factory=IndexSettings)
     retriever: RetrieverSettings = Field(default_factory=RetrieverSettings)
+    prompt: PromptSettings = Field(default_factory=PromptSettings)
+    generator: GeneratorSettings = Field(default_factory=GeneratorSettings)
+    drafting: DraftingSettings = Field(default_factory=DraftingSettings)
+    attribution: AttributionSettings = Field(default_factory=AttributionSettings)
 
 
 def describe_error(exc: ValidationError, source: str) -> str:
@@ -29,8 +33,12 @@ def describe_error(exc: ValidationError, source: str) -> str:
     return f"{source}: {loc}: {err['msg']}"
 
 
-def load_spec(source: str | Path | dict) -> PipelineSpec:
-    """A spec from a YAML path, or a dict; errors name the offending key."""
+def load_spec(source: "str | Path | dict | PipelineSpec | None" = None) -> PipelineSpec:
+    """A spec from a YAML path, or a dict (None: all defaults); errors name the offending key."""
+    if isinstance(source, PipelineSpec):
+        return source
+    if source is None:
+        return PipelineSpec()
     if isinstance(source, dict):
         data, label = source, "pipeline spec"
     else:
@@ -43,7 +51,7 @@ def load_spec(source: str | Path | dict) -> PipelineSpec:
         except yaml.YAMLError as exc:
             raise RagspecError(f"{path} is not valid YAML ({str(exc).splitlines()[0]})") from None
         if not isinstance(data, dict):
-            raise RagspecError(f"{path}: the top level must be a mapping of sections (index, retriever, …)")
+            raise RagspecError(f"{path}: the top level must be a mapping of sections (index, retriever, prompt, generator, …)")
     try:
         return PipelineSpec.model_validate(data)
     except ValidationError as exc:

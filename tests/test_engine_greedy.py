@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from ragspec.decoding.drafters.base import DraftState, NoDraft
+from ragspec.decoding.drafters.base import NoDraft
 from ragspec.decoding.drafters.pld import PromptLookupDrafter
 from ragspec.decoding.drafters.pldplus import PLDPlusHiddenDrafter
 from ragspec.decoding.drafters.trie import NgramTrieDrafter

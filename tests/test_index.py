@@ -51,7 +51,7 @@ def test_build_and_search_offsets_slice_the_source(corpus, tmp_path, embedder):
 
 def test_incremental_reembeds_only_changes(corpus, tmp_path, embedder):
     target = tmp_path / "idx"
-    first = build_index(corpus, target, SMALL, embedder=embedder, show_progress=False)
+    build_index(corpus, target, SMALL, embedder=embedder, show_progress=False)
     again = build_index(corpus, target, SMALL, embedder=embedder, show_progress=False)
     assert again.up_to_date and again.embedded == 0
     old_vectors = np.load(Index(target).folder / "embeddings.npy")

@@ -1,0 +1,9 @@
+"""Question → retrieved sources → prompt → draft-and-verify answer with citations of copied spans."""
+
+from ragspec.pipeline.answer import Answer, AnswerStats, CitationEvent, DoneEvent, SourcesEvent, TextEvent
+from ragspec.pipeline.attribution import Citation, CopyMatcher
+from ragspec.pipeline.pipeline import Pipeline
+from ragspec.pipeline.prompt import BuiltPrompt, PromptBuilder, SourceText
+
+__all__ = ["Answer", "AnswerStats", "BuiltPrompt", "Citation", "CitationEvent", "CopyMatcher", "DoneEvent",
+           "Pipeline", "PromptBuilder", "SourceText", "SourcesEvent", "TextEvent"]

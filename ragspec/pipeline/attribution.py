@@ -1,0 +1,197 @@
+"""Copied-span attribution: which stretches of the answer are verbatim copies of a source, and from where.
+
+The answer is cut into words (`\\w+` runs and single punctuation marks) as it streams; a greedy left-to-right
+matcher keeps, for the current run of answer words, every source position where that run occurs verbatim
+(never across two sources). When the next word breaks every such occurrence the run closes, and if it is long
+enough (`min_words` words, or `min_chars` characters for one long rare word) it becomes a citation at once.
+If a later start inside the run continues with the breaking word, the run's tail moves to that match (when
+that loses no qualifying words), so a quote's first words are not glued to the end of the previous one.
+Whether a span counts as copied does not depend on the drafter: every span is found by the matcher, drafted or
+not. The drafter only breaks the last ties: when the same words occur in several sources, the choice waits
+for the next citation (its source, if it is one of them), else takes the previous citation's source, else
+the source the accepted draft tokens were copied from, else the best-ranked. (On QuoteSum the neighbouring
+citations are the better evidence: the trie's occurrence choice is frequency-ranked, not source-aware.)
+
+Offsets: `start`/`end` index the document, and `document_text[start:end] == quote` exactly. The answer's span
+`answer_text[answer_start:answer_end]` has the same words and punctuation; only whitespace between them may
+differ (a line break in the source can be a space in the answer).
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+from ragspec.pipeline.prompt import SourceText
+
+WORD = re.compile(r"\w+|[^\w\s]")
+OPENERS = set("([{<«“‘\"'")
+
+
+@dataclass
+class Citation:
+    source: int  # the source number shown to the model
+    path: str
+    start: int  # character offsets into the document
+    end: int
+    quote: str  # document_text[start:end]
+    answer_start: int  # character offsets into the answer text
+    answer_end: int
+    key: str = ""  # JSON record id for record-style documents
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+class CopyMatcher:
+    """Feed it the answer text as it grows; it returns citations as their spans close."""
+
+    def __init__(self, sources: list[SourceText], min_words: int = 3, min_chars: int = 12):
+        self.sources = {s.number: s for s in sources}
+        self.min_words, self.min_chars = min_words, min_chars
+        self.words: list[str | None] = []  # context words; None separates sources
+        self.where: list[tuple[int, int, int]] = []  # (source number, char start, char end) per context word
+        self.positions: dict[str, list[int]] = defaultdict(list)
+        for s in sources:
+            for m in WORD.finditer(s.text):
+                self.positions[m.group()].append(len(self.words))
+                self.words.append(m.group())
+                self.where.append((s.number, m.start(), m.end()))
+            self.words.append(None)
+            self.where.append((0, 0, 0))
+        self.hints: dict[int, list[int]] = defaultdict(list)  # source → sorted char offsets drafts came from
+        self.text = ""
+        self.scanned = 0  # answer characters already cut into words
+        self.run: list[tuple[int, int]] = []  # answer (start, end) of the current run's words
+        self.cands: list[int] = []  # context word positions where the current run starts
+        self.last_source = 0
+        self.pending = None  # an ambiguous citation waiting for the next one
+        self.citations: list[Citation] = []
+
+    def hint(self, source: int, char: int) -> None:
+        """An accepted draft token was copied from `char` in source `source`."""
+        bisect.insort(self.hints[source], char)
+
+    def feed(self, text: str) -> list[Citation]:
+        """Append answer text; return the citations whose spans closed."""
+        self.text += text
+        return self._scan(final=False)
+
+    def finish(self) -> list[Citation]:
+        out = self._scan(final=True)
+        out += self._close()
+        return out
+
+    # -- matching ------------------------------------------------------------------------------------------
+    def _scan(self, final: bool) -> list[Citation]:
+        out = []
+        for m in WORD.finditer(self.text, self.scanned):
+            if not final and m.end() == len(self.text) and m.group()[-1:].isalnum():
+                break  # a word still being written
+            out += self._word(m.group(), m.start(), m.end())
+            self.scanned = m.end()
+        return out
+
+    def _word(self, w: str, a: int, b: int) -> list[Citation]:
+        out = []
+        if self.run:
+            k = len(self.run)
+            nxt = [p for p in self.cands if self.words[p + k] == w]
+            if nxt:
+                self.cands = nxt
+                self.run.append((a, b))
+                return out
+            j, cands = self._back_off(w)
+            if j:
+                # a later start inside the run continues with `w`: the run's tail belongs to that match
+                head, self.run = self.run[:j], self.run[j:] + [(a, b)]
+                out = self._emit(head, self.cands) if self._qualifies(head) else []
+                self.cands = cands
+                return out
+            out = self._emit(self.run, self.cands) if self._qualifies(self.run) else []
+        self.cands = list(self.positions.get(w, ()))
+        self.run = [(a, b)] if self.cands else []
+        return out
+
+    def _back_off(self, w: str) -> tuple[int, list[int]]:
+        """The first j such that run[j:] + [w] occurs in one source, when taking it loses nothing: j == 1
+        (the new run is already as long as the old), or the old run's head run[:j] qualifies on its own."""
+        words = [self.text[a:b] for a, b in self.run] + [w]
+        for j in range(1, len(self.run)):
+            if j > 1 and not self._qualifies(self.run[:j]):
+                continue
+            cands = [p for p in self.positions.get(words[j], ())
+                     if all(self.words[p + i] == words[j + i] for i in range(1, len(words) - j))]
+            if cands:
+                return j, cands
+        return 0, []
+
+    def _is_word(self, a: int) -> bool:
+        return self.text[a].isalnum() or self.text[a] == "_"
+
+    def _qualifies(self, run: list[tuple[int, int]]) -> bool:
+        lead = next((i for i, (a, _) in enumerate(run) if self._is_word(a)), len(run))
+        run = run[lead:]
+        if not run:
+            return False
+        words = sum(1 for a, _ in run if self._is_word(a))
+        return words >= self.min_words or run[-1][1] - run[0][0] >= self.min_chars
+
+    def _close(self) -> list[Citation]:
+        run, cands = self.run, self.cands
+        self.run, self.cands = [], []
+        out = self._emit(run, cands) if run and self._qualifies(run) else []
+        return out + self._resolve(None)
+
+    def _emit(self, run: list[tuple[int, int]], cands: list[int]) -> list[Citation]:
+        """Cite a qualifying run. When its words occur in several sources the choice waits for the next
+        citation (see `_resolve`)."""
+        lead = next(i for i, (a, _) in enumerate(run) if self._is_word(a))  # a quote starts at a word
+        run, cands = run[lead:], [p + lead for p in cands]
+        while self.text[run[-1][0]] in OPENERS:  # … and does not end by opening a bracket or quote
+            run = run[:-1]
+        by_source: dict[int, int] = {}
+        drafted: dict[int, int] = {}
+        for p in cands:
+            by_source.setdefault(self.where[p][0], p)
+            if self._drafted(p, len(run)):
+                drafted.setdefault(self.where[p][0], p)
+        if len(by_source) == 1:
+            return self._resolve(next(iter(by_source))) + [self._cite(run, next(iter(by_source.values())))]
+        out = self._resolve(None)
+        self.pending = (run, by_source, drafted)
+        return out
+
+    def _resolve(self, next_source: int | None) -> list[Citation]:
+        """Settle a pending ambiguous citation: the next citation's source, else the previous one's (quotes
+        come in runs from one source), else the source the drafts copied, else the best-ranked."""
+        if self.pending is None:
+            return []
+        run, by_source, drafted = self.pending
+        self.pending = None
+        for s in (next_source, self.last_source):
+            if s in by_source:
+                return [self._cite(run, by_source[s])]
+        if drafted:
+            return [self._cite(run, next(iter(drafted.values())))]
+        return [self._cite(run, by_source[min(by_source)])]
+
+    def _cite(self, run: list[tuple[int, int]], p: int) -> Citation:
+        num, c0, _ = self.where[p]
+        _, _, c1 = self.where[p + len(run) - 1]
+        src = self.sources[num]
+        cit = Citation(num, src.path, src.start + c0, src.start + c1, src.text[c0:c1], run[0][0], run[-1][1], src.key)
+        self.last_source = num
+        self.citations.append(cit)
+        return cit
+
+    def _drafted(self, p: int, length: int) -> bool:
+        num, c0, _ = self.where[p]
+        c1 = self.where[p + length - 1][2]
+        hs = self.hints.get(num)
+        if not hs:
+            return False
+        i = bisect.bisect_left(hs, c0 - 1)  # a token's offset may include the space before a word
+        return i < len(hs) and hs[i] < c1

@@ -1,0 +1,258 @@
+"""`Pipeline`: retrieve → build the prompt → draft-and-verify generation → citations, streamed.
+
+Models and the index load once per pipeline and are reused by every call. Calls from several threads are
+safe: retrieval runs concurrently, prompt building and generation queue on one lock (one model, one cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import AsyncIterator, Iterable, Iterator
+
+from ragspec.decoding.drafters import check_params, make_drafter
+from ragspec.decoding.sampling import SamplingSettings
+from ragspec.errors import RagspecError
+from ragspec.pipeline.answer import (Answer, AnswerStats, CitationEvent, DoneEvent, Event, SourcesEvent,
+                                     TextEvent)
+from ragspec.pipeline.attribution import CopyMatcher
+from ragspec.pipeline.prompt import BuiltPrompt, PromptBuilder, SourceText
+from ragspec.spec import PipelineSpec, load_spec
+
+
+class Pipeline:
+    def __init__(self, spec: "PipelineSpec | dict | str | Path | None" = None, index=None, *, model=None,
+                 tokenizer=None):
+        """`index`: a path to a built index, an opened `Index` or a `Retriever` (default: `retriever.index`
+        of the spec). `model`/`tokenizer`: an already loaded generator to use instead of `generator.model`."""
+        self.spec = load_spec(spec)
+        try:
+            check_params(self.spec.drafting.method, self.spec.drafting.params)
+        except ValueError as exc:
+            raise RagspecError(f"drafting.params: {exc}") from None
+        self._index_arg = index if index is not None else self.spec.retriever.index
+        self._retriever = None
+        self._model, self._tokenizer = model, tokenizer
+        self._cost = None
+        self._load_lock = threading.RLock()
+        self._gen_lock = threading.Lock()
+
+    @classmethod
+    def from_spec(cls, spec: "PipelineSpec | dict | str | Path | None" = None, index=None, **kwargs) -> "Pipeline":
+        return cls(spec, index, **kwargs)
+
+    # -- parts, loaded once ----------------------------------------------------------------------------------
+    @property
+    def device(self) -> str:
+        d = self.spec.generator.device
+        if d == "auto":
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return d
+
+    @property
+    def retriever(self):
+        with self._load_lock:
+            if self._retriever is None:
+                from ragspec.index.reader import Index
+                from ragspec.retrieve.retriever import Retriever
+
+                arg = self._index_arg
+                if arg is None:
+                    raise RagspecError("this pipeline has no index: pass index=PATH or set retriever.index in the spec")
+                if isinstance(arg, Retriever):
+                    self._retriever = arg
+                else:
+                    idx = arg if isinstance(arg, Index) else Index(arg, device=self.spec.index.device)
+                    self._retriever = Retriever(idx, self.spec.retriever, device=self.spec.index.device)
+            return self._retriever
+
+    def load(self) -> "Pipeline":
+        """Load the generator (and measure its forward cost once, when the draft budget is 'auto')."""
+        with self._load_lock:
+            if self._model is None:
+                from ragspec.models.generator import load_generator
+
+                g = self.spec.generator
+                dtype = g.dtype if g.dtype != "auto" else ("bfloat16" if self.device == "cuda" else "float32")
+                self._model, self._tokenizer = load_generator(g.model, self.device, dtype)
+            if self._tokenizer is None:
+                raise RagspecError("a model was given without its tokenizer")
+            if self._cost is None and self.spec.drafting.budget == "auto" and self.spec.drafting.method != "none":
+                from ragspec.decoding.budget import calibrate
+
+                self._cost = calibrate(self._model)
+        return self
+
+    @property
+    def model(self):
+        return self.load()._model
+
+    @property
+    def tokenizer(self):
+        return self.load()._tokenizer
+
+    def prompt_builder(self, max_new_tokens: int) -> PromptBuilder:
+        p = self.spec.prompt
+        budget = p.max_context_tokens
+        if budget is None:
+            window = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+            budget = window - max_new_tokens if window else None
+        return PromptBuilder(self.tokenizer, p.style, p.system, budget)
+
+    # -- retrieval -------------------------------------------------------------------------------------------
+    def retrieve(self, question: str) -> tuple[list[SourceText], float]:
+        """The top-n chunks as numbered sources, and the retrieval time in ms."""
+        t = time.perf_counter()
+        hits = self.retriever.search(question)
+        ms = (time.perf_counter() - t) * 1000
+        store = self.retriever.index.store
+        out = []
+        for h in hits:
+            doc = store.document_text(h.document_id)
+            first = doc.count("\n", 0, h.start) + 1
+            lines = (first, first + doc.count("\n", h.start, max(h.start, h.end - 1)))
+            out.append(SourceText(h.rank, h.text, h.path, h.start, h.end, h.title, h.key, h.score, h.chunk_id,
+                                  h.document_id, lines))
+        return out, ms
+
+    # -- answering -------------------------------------------------------------------------------------------
+    def stream(self, question: str, *, documents: "Iterable[str | SourceText] | None" = None,
+               max_new_tokens: int | None = None, stop: "Iterable[str] | None" = None,
+               temperature: float | None = None) -> Iterator[Event]:
+        """Events: SourcesEvent, then TextEvent and CitationEvent as they happen, then DoneEvent(answer).
+
+        `documents` replaces retrieval with the given passages (strings or SourceText)."""
+        if not question or not question.strip():
+            raise RagspecError("the question is empty")
+        if documents is None:
+            sources, retrieval_ms = self.retrieve(question)
+        else:
+            sources, retrieval_ms = as_sources(documents), 0.0
+        max_new = max_new_tokens or self.spec.generator.max_new_tokens
+        with self._gen_lock:
+            built = self.prompt_builder(max_new).build(question, sources)
+        yield from self._generate(built, question, retrieval_ms, max_new, stop, temperature)
+
+    def ask(self, question: str, **kwargs) -> Answer:
+        for event in self.stream(question, **kwargs):
+            if isinstance(event, DoneEvent):
+                return event.answer
+        raise RuntimeError("the stream ended without an answer")  # pragma: no cover
+
+    def ask_many(self, questions: Iterable[str], **kwargs) -> list[Answer]:
+        return [self.ask(q, **kwargs) for q in questions]
+
+    async def aask(self, question: str, **kwargs) -> Answer:
+        return await asyncio.to_thread(self.ask, question, **kwargs)
+
+    async def astream(self, question: str, **kwargs) -> AsyncIterator[Event]:
+        """`stream` on a worker thread; events are handed over as they come."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        def work():
+            try:
+                for ev in self.stream(question, **kwargs):
+                    loop.call_soon_threadsafe(queue.put_nowait, ev)
+            except BaseException as exc:  # handed to the consumer
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, done)
+
+        worker = loop.run_in_executor(None, work)
+        try:
+            while True:
+                item = await queue.get()
+                if item is done:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            await worker
+
+    def stream_prompt(self, prompt: "str | list[dict]", *, max_new_tokens: int | None = None,
+                      stop: "Iterable[str] | None" = None, temperature: float | None = None) -> Iterator[Event]:
+        """Generate for a prompt that already holds its documents (a text, sent as one user turn, or chat
+        messages); drafts and citations come from the prompt itself (source 1, path '<prompt>')."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        max_new = max_new_tokens or self.spec.generator.max_new_tokens
+        with self._gen_lock:
+            built = prompt_as_source(self.tokenizer, messages)
+        yield from self._generate(built, messages[-1]["content"] if messages else "", 0.0, max_new, stop, temperature)
+
+    def _generate(self, built: BuiltPrompt, question: str, retrieval_ms: float, max_new: int, stop,
+                  temperature: float | None) -> Iterator[Event]:
+        from ragspec.decoding.budget import AdaptiveBudget
+        from ragspec.decoding.generate import SpeculativeGenerator
+
+        g, d, a = self.spec.generator, self.spec.drafting, self.spec.attribution
+        yield SourcesEvent(built.sources, list(built.warnings), retrieval_ms)
+        model, tok = self.model, self.tokenizer
+        sampling = SamplingSettings(temperature=g.temperature if temperature is None else temperature,
+                                    top_k=g.top_k, top_p=g.top_p, seed=g.seed)
+        drafter = make_drafter(d.method, model, **d.params)
+        budget = AdaptiveBudget(self._cost) if d.budget == "auto" and self._cost else (
+            64 if d.budget == "auto" else int(d.budget))
+        stops = tuple(g.stop) + tuple(stop or ())
+        gen = SpeculativeGenerator(model, tok, drafter, sampling, max_new, stops, budget=budget)
+        matcher = CopyMatcher(built.sources, a.min_words, a.min_chars) if a.enabled else None
+        parts: list[str] = []
+        with self._gen_lock:
+            for delta in gen.stream(built.ids, built.segments):
+                if matcher is not None:
+                    for pos in delta.sources:
+                        loc = built.locate(pos) if pos >= 0 else None
+                        if loc:
+                            matcher.hint(*loc)
+                parts.append(delta.text)
+                yield TextEvent(delta.text, list(delta.tokens), [s >= 0 for s in delta.sources])
+                if matcher is not None and delta.text:
+                    for c in matcher.feed(delta.text):
+                        yield CitationEvent(c)
+        if matcher is not None:
+            for c in matcher.finish():
+                yield CitationEvent(c)
+        s = gen.stats
+        stats = AnswerStats(
+            retrieval_ms=retrieval_ms, prompt_tokens=s.prompt_tokens, prefill_ms=s.prefill_ms, decode_ms=s.decode_ms,
+            new_tokens=s.new_tokens, steps=s.steps, mean_accepted=s.mean_accepted, draft_ms=s.draft_ms,
+            verify_ms=s.verify_ms, finish_reason=s.finish_reason, drafting=drafter.name,
+            decode_tokens_per_s=s.new_tokens / (s.decode_ms / 1000) if s.decode_ms else 0.0,
+            speedup_estimate=(s.new_tokens * self._cost.time(1) / s.decode_ms) if self._cost and s.decode_ms else None,
+            dropped_sources=built.dropped,
+        )
+        answer = Answer(question, "".join(parts), list(matcher.citations) if matcher else [], built.sources, stats,
+                        list(built.warnings))
+        yield DoneEvent(answer)
+
+
+def as_sources(documents: "Iterable[str | SourceText]") -> list[SourceText]:
+    out = []
+    for i, doc in enumerate(documents, 1):
+        if isinstance(doc, SourceText):
+            out.append(doc)
+        elif isinstance(doc, str):
+            out.append(SourceText(i, doc, path=f"<document {i}>"))
+        else:
+            raise RagspecError(f"document {i} is a {type(doc).__name__}, not text")
+    return out
+
+
+def prompt_as_source(tokenizer, messages: list[dict]) -> BuiltPrompt:
+    """The chat-templated prompt as one source spanning every token (drafts may copy from any of it)."""
+    from ragspec.decoding.drafters.base import Segment
+
+    if not messages:
+        raise RagspecError("the prompt is empty")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    src = SourceText(1, text, path="<prompt>")
+    chars = [a for a, _ in enc["offset_mapping"]]
+    return BuiltPrompt(ids, [src], [Segment(0, len(ids), 1)], [1] * len(ids), chars)

@@ -1,0 +1,151 @@
+"""The prompt: numbered sources and the question inside the model's chat template, plus a map from every
+prompt token back to its source and character offset (what the drafters' segments and attribution use).
+
+The whole rendered prompt is tokenized in one go (so the model sees its natural tokenization) with the fast
+tokenizer's offset mapping; a token belongs to source n when its first character lies inside source n's
+text. Sources that do not fit the budget are dropped from the lowest-ranked up, with a warning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ragspec.decoding.drafters.base import Segment
+from ragspec.errors import RagspecError
+
+SYSTEM = {
+    "quote": (
+        "You answer questions using only the numbered sources you are given. Wherever you can, copy the "
+        "sources' exact wording: quote the sentences that answer the question instead of paraphrasing them. "
+        "If the sources do not contain the answer, say that they do not."
+    ),
+    "free": "You answer questions using the numbered sources you are given. Be concise and accurate.",
+}
+
+
+@dataclass
+class SourceText:
+    """One numbered source in the prompt: a retrieved chunk (or any passage) and where it came from."""
+
+    number: int  # 1-based, as shown to the model
+    text: str  # verbatim chunk text; document_text[start:end] == text
+    path: str = ""
+    start: int = 0  # character offset of `text` in its document
+    end: int = 0
+    title: str = ""
+    key: str = ""
+    score: float = 0.0
+    chunk_id: int = -1
+    document_id: int = -1
+    lines: tuple[int, int] | None = None  # 1-based first and last line of the chunk in its document
+
+    def __post_init__(self):
+        if not self.end:
+            self.end = self.start + len(self.text)
+
+
+@dataclass
+class BuiltPrompt:
+    ids: list[int]
+    sources: list[SourceText]  # the ones that fit, in prompt order
+    segments: list[Segment]  # token ranges of each source's text, label = source number
+    token_source: list[int]  # per prompt token: its source number, 0 outside any source text
+    token_char: list[int]  # per prompt token: offset of its first character in that source's text, else -1
+    dropped: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    def locate(self, position: int) -> tuple[int, int] | None:
+        """(source number, character offset in that source's text) of a prompt token, None if no source."""
+        if 0 <= position < len(self.ids) and self.token_source[position]:
+            return self.token_source[position], self.token_char[position]
+        return None
+
+
+def render_messages(style: str, system: str | None, question: str, sources: list[SourceText]) -> tuple[list[dict], list[tuple[int, int]]]:
+    """Chat messages and, per source, the (start, end) of its text inside the user message."""
+    parts = ["Sources:\n"]
+    spans = []
+    pos = len(parts[0])
+    for s in sources:
+        label = s.path or s.title
+        head = f"\n[{s.number}]" + (f" {label}" if label else "") + "\n"
+        parts.append(head)
+        pos += len(head)
+        spans.append((pos, pos + len(s.text)))
+        parts.append(s.text + "\n")
+        pos += len(s.text) + 1
+    parts.append(f"\nQuestion: {question}")
+    user = "".join(parts) if sources else f"Question: {question}"
+    messages = [{"role": "system", "content": system or SYSTEM[style]}, {"role": "user", "content": user}]
+    return messages, spans
+
+
+class PromptBuilder:
+    """Builds prompts for one tokenizer; `max_tokens` is the prompt budget (the answer's is kept apart)."""
+
+    def __init__(self, tokenizer, style: str = "quote", system: str | None = None, max_tokens: int | None = None):
+        if not getattr(tokenizer, "is_fast", False):
+            raise RagspecError("the prompt builder needs a fast tokenizer (offset mapping); this model has none")
+        self.tokenizer = tokenizer
+        self.style = style
+        self.system = system
+        self.max_tokens = max_tokens
+
+    def render(self, messages: list[dict]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception:  # templates without a system role: fold the instruction into the user turn
+            merged = [{"role": "user", "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}]
+            return self.tokenizer.apply_chat_template(merged, add_generation_prompt=True, tokenize=False)
+
+    def build(self, question: str, sources: list[SourceText]) -> BuiltPrompt:
+        if not question or not question.strip():
+            raise RagspecError("the question is empty")
+        kept = list(sources)
+        while True:
+            built = self._build(question, kept)
+            if self.max_tokens is None or len(built.ids) <= self.max_tokens:
+                break
+            if not kept:
+                raise RagspecError(f"the question alone takes {len(built.ids)} tokens, more than the prompt budget "
+                                   f"of {self.max_tokens}; shorten it or raise prompt.max_context_tokens")
+            kept = kept[:-1]
+        dropped = len(sources) - len(kept)
+        if dropped:
+            built.dropped = dropped
+            built.warnings.append(
+                f"the context did not fit the prompt budget of {self.max_tokens} tokens: dropped the "
+                f"{dropped} lowest-ranked source{'s' if dropped > 1 else ''} (kept {len(kept)} of {len(sources)})")
+        return built
+
+    def _build(self, question: str, sources: list[SourceText]) -> BuiltPrompt:
+        messages, spans = render_messages(self.style, self.system, question, sources)
+        text = self.render(messages)
+        user = messages[1]["content"]
+        # where each source's text sits in the rendered prompt (templates copy content verbatim)
+        base = text.find(user)
+        where = []
+        cursor = 0
+        for s, (a, b) in zip(sources, spans):
+            at = base + a if base >= 0 and text[base + a : base + b] == s.text else text.find(s.text, cursor)
+            if at < 0:
+                raise RagspecError("the chat template changed a source's text; cannot map tokens to sources")
+            where.append((at, at + len(s.text), s.number))
+            cursor = at + len(s.text)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        token_source = [0] * len(ids)
+        token_char = [-1] * len(ids)
+        segments: list[Segment] = []
+        j = 0
+        for i, (a, b) in enumerate(enc["offset_mapping"]):
+            while j < len(where) and a >= where[j][1]:
+                j += 1
+            if j < len(where) and where[j][0] <= a < where[j][1] and b > a:
+                token_source[i] = where[j][2]
+                token_char[i] = a - where[j][0]
+                if segments and segments[-1].label == where[j][2] and segments[-1].end == i:
+                    segments[-1].end = i + 1
+                else:
+                    segments.append(Segment(i, i + 1, where[j][2]))
+        return BuiltPrompt(ids, list(sources), segments, token_source, token_char)
