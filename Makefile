@@ -29,5 +29,5 @@ test: install
 quickstart: install
 	$(PY) examples/pydoc_corpus.py $(QUICKSTART_CORPUS)
 	$(VENV)/bin/ragspec index $(QUICKSTART_CORPUS) --name pydoc-topics
-	$(VENV)/bin/ragspec ask "What does the with statement do with __enter__ and __exit__?" \
+	$(VENV)/bin/ragspec ask "What happens, step by step, when a with statement is executed?" \
 		--index indexes/pydoc-topics --pipeline pipelines/default.yaml

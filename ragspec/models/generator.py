@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 from ragspec.errors import RagspecError
 from ragspec.models.registry import hub_error, lookup, resolve_hub_or_folder
 
@@ -41,3 +44,27 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
         raise hub_error(name, "generator", exc) from exc
     model.eval()
     return model, tokenizer
+
+
+_shared: dict[tuple[str, str, str], tuple] = {}
+_shared_lock = threading.Lock()
+_model_locks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def shared_generator(name: str, device: str = "cpu", dtype: str = "float32"):
+    """`load_generator`, once per process for each (name, device, dtype): pipelines and LangChain objects that
+    name the same model share one copy of its weights."""
+    key = (name, device, dtype)
+    with _shared_lock:
+        if key not in _shared:
+            _shared[key] = load_generator(name, device, dtype)
+        return _shared[key]
+
+
+def model_lock(model) -> threading.Lock:
+    """One lock per model object: generations (and its tokenizer) queue on it, whoever holds the model."""
+    with _shared_lock:
+        lock = _model_locks.get(model)
+        if lock is None:
+            lock = _model_locks[model] = threading.Lock()
+        return lock

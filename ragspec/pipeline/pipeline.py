@@ -1,7 +1,8 @@
 """`Pipeline`: retrieve → build the prompt → draft-and-verify generation → citations, streamed.
 
-Models and the index load once per pipeline and are reused by every call. Calls from several threads are
-safe: retrieval runs concurrently, prompt building and generation queue on one lock (one model, one cache).
+Models and the index load once per pipeline (a generator once per process, shared by the pipelines that
+name it) and are reused by every call. Calls from several threads are safe: retrieval runs concurrently,
+prompt building and generation queue on the model's lock.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ class Pipeline:
         self._model, self._tokenizer = model, tokenizer
         self._cost = None
         self._load_lock = threading.RLock()
-        self._gen_lock = threading.Lock()
 
     @classmethod
     def from_spec(cls, spec: "PipelineSpec | dict | str | Path | None" = None, index=None, **kwargs) -> "Pipeline":
@@ -74,11 +74,11 @@ class Pipeline:
         """Load the generator (and measure its forward cost once, when the draft budget is 'auto')."""
         with self._load_lock:
             if self._model is None:
-                from ragspec.models.generator import load_generator
+                from ragspec.models.generator import shared_generator
 
                 g = self.spec.generator
                 dtype = g.dtype if g.dtype != "auto" else ("bfloat16" if self.device == "cuda" else "float32")
-                self._model, self._tokenizer = load_generator(g.model, self.device, dtype)
+                self._model, self._tokenizer = shared_generator(g.model, self.device, dtype)
             if self._tokenizer is None:
                 raise RagspecError("a model was given without its tokenizer")
             if self._cost is None and self.spec.drafting.budget == "auto" and self.spec.drafting.method != "none":
@@ -90,6 +90,13 @@ class Pipeline:
     @property
     def model(self):
         return self.load()._model
+
+    @property
+    def _gen_lock(self) -> threading.Lock:
+        """Generation queues on the model: pipelines sharing one model share this lock."""
+        from ragspec.models.generator import model_lock
+
+        return model_lock(self.model)
 
     @property
     def tokenizer(self):
