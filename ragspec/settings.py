@@ -80,7 +80,7 @@ class GeneratorSettings(Strict):
 
 
 class DraftingSettings(Strict):
-    method: Literal["none", "pld", "trie", "pldplus-h"] = Field(
+    method: Literal["none", "pld", "trie", "pldplus-h", "pldplus-a"] = Field(
         "trie", description="where drafts come from (none = plain decoding through the same verifier)"
     )
     budget: int | Literal["auto"] = Field(

@@ -10,7 +10,7 @@ import torch
 
 from ragspec.decoding.drafters.base import NoDraft
 from ragspec.decoding.drafters.pld import PromptLookupDrafter
-from ragspec.decoding.drafters.pldplus import PLDPlusHiddenDrafter
+from ragspec.decoding.drafters.pldplus import PLDPlusAttentionDrafter, PLDPlusHiddenDrafter
 from ragspec.decoding.drafters.trie import NgramTrieDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.decoding.tree import DraftTree
@@ -75,8 +75,13 @@ def pldplus_h():
     return PLDPlusHiddenDrafter(layer=9, branches=2)
 
 
+def pldplus_a():
+    # heads fixed here (calibration has its own test): layer 4-6 heads of SmolLM2's 30 layers × 9 heads
+    return PLDPlusAttentionDrafter(heads=[(4, 0), (5, 3), (6, 1), (12, 2)], branches=2)
+
+
 @pytest.mark.parametrize("make", [NoDraft, PromptLookupDrafter, NgramTrieDrafter, lambda: NgramTrieDrafter(n=24, lp=2),
-                                  pldplus_h], ids=["none", "pld", "trie", "trie-n24", "pldplus-h"])
+                                  pldplus_h, pldplus_a], ids=["none", "pld", "trie", "trie-n24", "pldplus-h", "pldplus-a"])
 def test_drafters_match_generate(smol, cases, make):
     model, tok = smol
     accepted = 0
@@ -190,3 +195,33 @@ def test_provenance_points_into_the_context(smol, cases):
     assert copied
     for t, s in copied:
         assert prompt[s] == t  # a copied token equals the context token it points at
+
+
+def test_induction_head_calibration_is_cached_and_used(smol, tmp_path):
+    from ragspec.decoding.drafters import make_drafter
+    from ragspec.decoding.heads import calibrate_heads
+
+    model, tok = smol
+    heads = calibrate_heads(model, tok, top=8, new_tokens=24, cache_dir=tmp_path)
+    assert len(heads) == 8 and len(set(heads)) == 8
+    layers, per_layer = model.config.num_hidden_layers, model.config.num_attention_heads
+    assert all(0 <= layer < layers and 0 <= h < per_layer for layer, h in heads)
+    assert calibrate_heads(model, tok, top=8, cache_dir=tmp_path) == heads  # read back, not re-measured
+    d = make_drafter("pldplus-a", model, tok, heads=heads)
+    assert d.attention_heads == tuple(heads) and model.config._attn_implementation != "eager"
+
+
+def test_attention_row_covers_the_cache(smol, cases):
+    from ragspec.decoding.verifier import Verifier
+
+    model, _ = smol
+    prompt, ref = cases[0]
+    v = Verifier(model, attention_heads=((4, 0), (5, 3)))
+    v.prefill(prompt)
+    row = v.attention_row()
+    assert row is not None and row.shape[0] == v.cached == len(prompt) - 1
+    assert abs(float(row.max())) <= 1.0 + 1e-5 and float(row.min()) >= 0.0
+    v.step(DraftTree())
+    assert v.attention_row().shape[0] == v.cached == len(prompt)
+    assert model.config._attn_implementation != "eager"  # eager only inside the step
+    v.close()

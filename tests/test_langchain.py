@@ -33,7 +33,11 @@ def small_index() -> str:
     return str(root / "index")
 
 
-class TestChatRagspecUnit(ChatModelUnitTests):
+class ChatRagspecParams:
+    """What both chat suites construct. Tool calling, structured output, JSON mode and multimodal inputs are
+    off through the suites' own properties: ChatRagspec does not override bind_tools / with_structured_output,
+    and the supports_* flags default to False."""
+
     @property
     def chat_model_class(self):
         return ChatRagspec
@@ -46,30 +50,13 @@ class TestChatRagspecUnit(ChatModelUnitTests):
     def standard_chat_model_params(self) -> dict:
         return {**super().standard_chat_model_params, "max_tokens": SHORT}
 
-    @property
-    def standard_chat_model_params(self) -> dict:
-        return {**super().standard_chat_model_params, "max_tokens": SHORT}
+
+class TestChatRagspecUnit(ChatRagspecParams, ChatModelUnitTests):
+    pass
 
 
-class TestChatRagspecIntegration(ChatModelIntegrationTests):
-    # tool calling, structured output, JSON mode and multimodal inputs are off through the suite's own
-    # properties: ChatRagspec does not override bind_tools / with_structured_output, and the supports_* flags
-    # default to False
-    @property
-    def chat_model_class(self):
-        return ChatRagspec
-
-    @property
-    def chat_model_params(self) -> dict:
-        return dict(SMOL)
-
-    @property
-    def standard_chat_model_params(self) -> dict:
-        return {**super().standard_chat_model_params, "max_tokens": SHORT}
-
-    @property
-    def standard_chat_model_params(self) -> dict:
-        return {**super().standard_chat_model_params, "max_tokens": SHORT}
+class TestChatRagspecIntegration(ChatRagspecParams, ChatModelIntegrationTests):
+    pass
 
 
 class TestRagspecRetriever(RetrieversIntegrationTests):

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ragspec.decoding.budget import AdaptiveBudget, calibrate
-from ragspec.decoding.drafters import make_drafter
+from ragspec.decoding.drafters import METHODS, make_drafter
 from ragspec.decoding.drafters.base import DraftState
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.errors import RagspecError
@@ -68,17 +68,19 @@ def top2_margin(model, prompt: list[int], prefix: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-def drafter_memory_mb(method: str, model, tokens: int = 4096) -> float:
+def drafter_memory_mb(method: str, model, tokenizer=None, tokens: int = 4096) -> float:
     """Peak Python heap of preparing a drafter on a `tokens`-long context and drafting 128 steps."""
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, min(model.config.vocab_size, 32000), (tokens,), generator=g).tolist()
     ctx = ctx[: tokens // 2] + ctx[: tokens // 2]  # repeated text, so drafts are found
     tracemalloc.start()
-    drafter = make_drafter(method, model)
+    drafter = make_drafter(method, model, tokenizer)
     state = DraftState(tokens=list(ctx), prompt_len=len(ctx))
     tracemalloc.stop()
     if drafter.hidden_layer is not None:
         state.hidden = torch.zeros((len(ctx) + 128, model.config.hidden_size))  # the verifier's buffer
+    if getattr(drafter, "attention_heads", None):
+        state.attention = torch.rand(len(ctx) + 128)  # the verifier's attention row
     tracemalloc.start()
     drafter.prepare(state)
     for i in range(128):
@@ -94,7 +96,7 @@ def drafter_memory_mb(method: str, model, tokens: int = 4096) -> float:
 
 def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new_tokens: int = 128,
               budget: str | int = "auto", progress=None, model_name: str = "", category: str = "") -> dict:
-    unknown = [m for m in methods if m not in HF_METHODS and m not in ("pld", "trie", "pldplus-h", "none")]
+    unknown = [m for m in methods if m not in HF_METHODS and m not in METHODS]
     if unknown:
         raise RagspecError(f"unknown bench method(s): {', '.join(unknown)}")
     if "vanilla" not in methods:
@@ -102,7 +104,7 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
     eos = sorted(SpeculativeGenerator(model, tokenizer).eos)
     cost = calibrate(model) if budget == "auto" else None
     budgets = {m: (AdaptiveBudget(cost) if cost else int(budget)) for m in methods if m not in HF_METHODS}
-    drafters = {m: make_drafter(m, model) for m in methods if m not in HF_METHODS}
+    drafters = {m: make_drafter(m, model, tokenizer) for m in methods if m not in HF_METHODS}
     # warm-up: every method once on a short run
     warm = chat_ids(tokenizer, prompts[0]["turns"][0])
     for m in methods:
@@ -161,7 +163,7 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
             "identical": identical[m],
             "divergences": divergences[m],
             "accepted_histogram": _histogram(hist[m]) if hist[m] else None,
-            "drafter_memory_mb_4k": drafter_memory_mb(m, model) if m not in HF_METHODS and m != "none" else None,
+            "drafter_memory_mb_4k": drafter_memory_mb(m, model, tokenizer) if m not in HF_METHODS and m != "none" else None,
         }
     return result
 

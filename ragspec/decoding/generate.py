@@ -77,7 +77,14 @@ class SpeculativeGenerator:
     def stream(self, prompt_ids: list[int], segments: list[Segment] | None = None) -> Iterator[Delta]:
         stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.tokens = []
-        verifier = Verifier(self.model, self.sampling, hidden_layer=self.drafter.hidden_layer)
+        heads = tuple(getattr(self.drafter, "attention_heads", ()) or ())
+        verifier = Verifier(self.model, self.sampling, hidden_layer=self.drafter.hidden_layer, attention_heads=heads)
+        try:
+            yield from self._loop(verifier, prompt_ids, segments, stats, heads)
+        finally:
+            verifier.close()
+
+    def _loop(self, verifier, prompt_ids, segments, stats, heads) -> Iterator[Delta]:
         stats.prefill_ms = verifier.prefill(list(prompt_ids))
         state = DraftState(tokens=list(prompt_ids), prompt_len=len(prompt_ids), segments=segments or [])
         t0 = time.perf_counter()
@@ -96,6 +103,8 @@ class SpeculativeGenerator:
             t = time.perf_counter()
             if self.drafter.hidden_layer is not None:
                 state.hidden = verifier.hidden_states()
+            if heads:
+                state.attention = verifier.attention_row()
             cap = self.budget.budget() if isinstance(self.budget, AdaptiveBudget) else int(self.budget)
             tree = self.drafter.propose(state, max(0, min(cap, remaining - 1)))
             tree = tree.truncated(max(0, cap))

@@ -36,11 +36,13 @@ class Verifier:
     model: object
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     hidden_layer: int | None = None  # keep this layer's hidden states of accepted positions (PLD+ h)
-    attention_layers: tuple = ()  # keep attention rows of these layers (PLD+ a; needs eager attention)
+    attention_heads: tuple = ()  # (layer, head) pairs whose attention row of the last accepted token PLD+ (a) reads
 
     def __post_init__(self):
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
+        self._capture = None
+        self._attention = None  # [cached] max over the chosen heads of the last cached position's attention
         self._gen = None
         if not self.sampling.greedy:
             self._gen = torch.Generator(device="cpu")
@@ -62,8 +64,11 @@ class Verifier:
         self.root = int(prompt_ids[-1])
         self._hidden = None  # [capacity, d] buffer of layer-`hidden_layer` states of cached positions
         t = time.perf_counter()
-        if len(prompt_ids) > 1:
-            ids = torch.tensor([prompt_ids[:-1]], device=self.device)
+        # with attention heads to read, the last cached token runs alone with eager attention (its row is
+        # what the first step ranks by); the rest of the prompt keeps the fast attention kernel
+        split = len(prompt_ids) - 2 if self.attention_heads and len(prompt_ids) > 2 else len(prompt_ids) - 1
+        if split > 0:
+            ids = torch.tensor([prompt_ids[:split]], device=self.device)
             out = self.model(
                 input_ids=ids,
                 past_key_values=self.cache,
@@ -71,9 +76,22 @@ class Verifier:
                 logits_to_keep=1,
                 output_hidden_states=self.hidden_layer is not None,
             )
-            self.cached = len(prompt_ids) - 1
+            self.cached = split
             if self.hidden_layer is not None:
                 self._append_hidden(out.hidden_states[self.hidden_layer][0])
+        if split < len(prompt_ids) - 1:
+            from ragspec.decoding.heads import AttentionCapture, eager_attention
+
+            self._capture = AttentionCapture(self.model, list(self.attention_heads))
+            ids = torch.tensor([prompt_ids[split : split + 1]], device=self.device)
+            with eager_attention(self.model):
+                out = self.model(input_ids=ids, position_ids=torch.tensor([[split]], device=self.device),
+                                 past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+                                 output_hidden_states=self.hidden_layer is not None)
+            if self.hidden_layer is not None:
+                self._append_hidden(out.hidden_states[self.hidden_layer][0], at=split)
+            self._attention = self._capture.rows[0].clone() if self._capture.rows is not None else None
+            self.cached = split + 1
         return (time.perf_counter() - t) * 1000
 
     # -- one step ------------------------------------------------------------------------------------------
@@ -84,14 +102,14 @@ class Verifier:
         pos = torch.tensor([tree.position_ids(self.cached)], device=self.device)
         mask = tree.attention_mask(self.cached, self.dtype, self.device)
         t = time.perf_counter()
-        out = self.model(
-            input_ids=ids,
-            position_ids=pos,
-            attention_mask=mask,
-            past_key_values=self.cache,
-            use_cache=True,
-            output_hidden_states=self.hidden_layer is not None,
-        )
+        if self._capture is not None:
+            from ragspec.decoding.heads import eager_attention
+
+            self._capture.reset()
+            with eager_attention(self.model):
+                out = self._forward(ids, pos, mask)
+        else:
+            out = self._forward(ids, pos, mask)
         logits = out.logits[0]
         if self.sampling.greedy:
             path, bonus = self._accept_greedy(tree, logits)
@@ -99,6 +117,10 @@ class Verifier:
             path, bonus = self._accept_sampled(tree, logits)
         forward_ms = (time.perf_counter() - t) * 1000
         keep_rows = [0] + [i + 1 for i in path]
+        if self._capture is not None and self._capture.rows is not None:
+            row = self._capture.rows[keep_rows[-1]]
+            base = self.cached
+            self._attention = torch.cat([row[:base], row[base + torch.tensor(keep_rows, device=row.device)]])
         self._keep(keep_rows, n)
         hidden = None
         if self.hidden_layer is not None:
@@ -114,6 +136,25 @@ class Verifier:
             path=path,
             hidden=hidden,
         )
+
+    def _forward(self, ids, pos, mask):
+        return self.model(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=self.hidden_layer is not None,
+        )
+
+    def attention_row(self):
+        """The chosen heads' attention (max over heads) of the last cached position over every cached one."""
+        return self._attention
+
+    def close(self) -> None:
+        if self._capture is not None:
+            self._capture.close()
+            self._capture = None
 
     def _accept_greedy(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
         best = logits.argmax(dim=-1).tolist()

@@ -109,7 +109,9 @@ def evaluate(path: Path, tokenizer, model=None, method: str = "trie", min_words:
         enc = tokenizer(summary, add_special_tokens=False, return_offsets_mapping=True)
         ans_ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
         hidden = None
-        drafter = make_drafter(method, model)
+        drafter = make_drafter(method, model, tokenizer)
+        if getattr(drafter, "attention_heads", None):
+            raise RagspecError("eval-attribution teacher-forces without attention rows; use none, pld, trie or pldplus-h")
         if drafter.hidden_layer is not None:
             import torch
 

@@ -21,7 +21,7 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import (ChatGeneration, ChatGenerationChunk, ChatResult, Generation,
                                     GenerationChunk, LLMResult)
 from langchain_core.retrievers import BaseRetriever
-from pydantic import ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from ragspec.models.registry import DEFAULT_GENERATOR
 from ragspec.pipeline import Answer, DoneEvent, Pipeline, TextEvent
@@ -41,8 +41,25 @@ def _shared_pipeline(spec: dict, index: str | None) -> Pipeline:
         return _pipelines[key]
 
 
-class _RagspecModelMixin:
+class _RagspecModelMixin(BaseModel):
     """Fields shared by the LLM and the chat model, and how they become a pipeline spec."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    model: str = DEFAULT_GENERATOR
+    temperature: float | None = None
+    max_tokens: int | None = None
+    stop: list[str] | None = None
+    drafting: str = "trie"
+    budget: int | str = "auto"
+    seed: int | None = None
+    device: str = "auto"
+    index: str | None = None
+    pipeline_spec: Any = None
+    pipeline: Pipeline | None = Field(default=None, exclude=True)
+    timeout: float | None = None
+    max_retries: int = 0
+    _pipe: Pipeline | None = PrivateAttr(default=None)
 
     def _spec(self, model: str | None = None) -> dict:
         spec: dict = {
@@ -85,22 +102,6 @@ _FIELDS_DOC = """
 class RagspecLLM(_RagspecModelMixin, LLM):
     __doc__ = "ragspec as a text-completion LLM." + _FIELDS_DOC
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    model: str = DEFAULT_GENERATOR
-    temperature: float | None = None
-    max_tokens: int | None = None
-    stop: list[str] | None = None
-    drafting: str = "trie"
-    budget: int | str = "auto"
-    seed: int | None = None
-    device: str = "auto"
-    index: str | None = None
-    pipeline_spec: Any = None
-    pipeline: Pipeline | None = Field(default=None, exclude=True)
-    timeout: float | None = None
-    max_retries: int = 0
-    _pipe: Pipeline | None = PrivateAttr(default=None)
 
     @property
     def _llm_type(self) -> str:
@@ -150,23 +151,7 @@ class ChatRagspec(_RagspecModelMixin, BaseChatModel):
     __doc__ = ("ragspec as a chat model: messages rendered with the model's chat template; drafts and citations "
                "come from the messages (put the retrieved documents in them)." + _FIELDS_DOC)
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    model: str = DEFAULT_GENERATOR
-    temperature: float | None = None
-    max_tokens: int | None = None
-    stop: list[str] | None = None
-    drafting: str = "trie"
-    budget: int | str = "auto"
-    seed: int | None = None
-    device: str = "auto"
-    index: str | None = None
-    pipeline_spec: Any = None
-    pipeline: Pipeline | None = Field(default=None, exclude=True)
-    timeout: float | None = None
-    max_retries: int = 0
     streaming: bool = False
-    _pipe: Pipeline | None = PrivateAttr(default=None)
 
     @property
     def _llm_type(self) -> str:
@@ -221,31 +206,12 @@ class ChatRagspec(_RagspecModelMixin, BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        import asyncio
+        from ragspec.pipeline.aio import iterate_in_thread
 
-        queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        done = object()
-
-        def work():
-            try:
-                for chunk in self._stream(messages, stop, None, **kwargs):
-                    loop.call_soon_threadsafe(queue.put_nowait, chunk)
-            except BaseException as exc:  # handed to the consumer
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, done)
-
-        worker = loop.run_in_executor(None, work)
-        try:
-            while (item := await queue.get()) is not done:
-                if isinstance(item, BaseException):
-                    raise item
-                if run_manager and item.text:
-                    await run_manager.on_llm_new_token(item.text, chunk=item)
-                yield item
-        finally:
-            await worker
+        async for chunk in iterate_in_thread(lambda: self._stream(messages, stop, None, **kwargs)):
+            if run_manager and chunk.text:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
 
     def _metadata(self, answer: Answer, model: str | None = None) -> dict:
         return {"model_name": model or self.model, "finish_reason": answer.stats.finish_reason,

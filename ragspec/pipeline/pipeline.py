@@ -18,6 +18,7 @@ from ragspec.decoding.sampling import SamplingSettings
 from ragspec.errors import RagspecError
 from ragspec.pipeline.answer import (Answer, AnswerStats, CitationEvent, DoneEvent, Event, SourcesEvent,
                                      TextEvent)
+from ragspec.pipeline.aio import iterate_in_thread
 from ragspec.pipeline.attribution import CopyMatcher
 from ragspec.pipeline.prompt import BuiltPrompt, PromptBuilder, SourceText
 from ragspec.spec import PipelineSpec, load_spec
@@ -158,30 +159,8 @@ class Pipeline:
 
     async def astream(self, question: str, **kwargs) -> AsyncIterator[Event]:
         """`stream` on a worker thread; events are handed over as they come."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        def work():
-            try:
-                for ev in self.stream(question, **kwargs):
-                    loop.call_soon_threadsafe(queue.put_nowait, ev)
-            except BaseException as exc:  # handed to the consumer
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, done)
-
-        worker = loop.run_in_executor(None, work)
-        try:
-            while True:
-                item = await queue.get()
-                if item is done:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            await worker
+        async for ev in iterate_in_thread(lambda: self.stream(question, **kwargs)):
+            yield ev
 
     def stream_prompt(self, prompt: "str | list[dict]", *, max_new_tokens: int | None = None,
                       stop: "Iterable[str] | None" = None, temperature: float | None = None) -> Iterator[Event]:
@@ -203,7 +182,7 @@ class Pipeline:
         model, tok = self.model, self.tokenizer
         sampling = SamplingSettings(temperature=g.temperature if temperature is None else temperature,
                                     top_k=g.top_k, top_p=g.top_p, seed=g.seed)
-        drafter = make_drafter(d.method, model, **d.params)
+        drafter = make_drafter(d.method, model, tok, **d.params)
         budget = AdaptiveBudget(self._cost) if d.budget == "auto" and self._cost else (
             64 if d.budget == "auto" else int(d.budget))
         stops = tuple(g.stop) + tuple(stop or ())

@@ -6,27 +6,31 @@ import inspect
 
 from ragspec.decoding.drafters.base import DraftState, Drafter, NoDraft, Segment
 from ragspec.decoding.drafters.pld import PromptLookupDrafter
-from ragspec.decoding.drafters.pldplus import PLDPlusHiddenDrafter, default_layer
+from ragspec.decoding.drafters.pldplus import PLDPlusAttentionDrafter, PLDPlusHiddenDrafter, default_layer
 from ragspec.decoding.drafters.trie import NgramTrieDrafter
 
-METHODS = ("none", "pld", "trie", "pldplus-h")
+METHODS = ("none", "pld", "trie", "pldplus-h", "pldplus-a")
 
 
-CLASSES = {"pld": PromptLookupDrafter, "trie": NgramTrieDrafter, "pldplus-h": PLDPlusHiddenDrafter}
+CLASSES = {"pld": PromptLookupDrafter, "trie": NgramTrieDrafter, "pldplus-h": PLDPlusHiddenDrafter,
+           "pldplus-a": PLDPlusAttentionDrafter}
+EXTRA_PARAMS = {"pldplus-a": ("top",)}  # settings that are not constructor arguments
 
 
 def check_params(name: str, params: dict) -> None:
     """ValueError naming the first parameter `name`'s drafter does not take."""
     cls = CLASSES.get(name)
     allowed = [] if cls is None else [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    allowed += EXTRA_PARAMS.get(name, ())
     for key in params:
         if key not in allowed:
             raise ValueError(f"unknown parameter '{key}' for drafting method '{name}'"
                              f" (it takes {', '.join(allowed) if allowed else 'none'})")
 
 
-def make_drafter(name: str, model=None, **params) -> Drafter:
-    """A drafter by method name; `params` are its constructor arguments (from the pipeline spec)."""
+def make_drafter(name: str, model=None, tokenizer=None, **params) -> Drafter:
+    """A drafter by method name; `params` are its constructor arguments (from the pipeline spec).
+    `pldplus-a` without `heads` calibrates induction heads once per model (cached), which needs the tokenizer."""
     if name in METHODS:
         check_params(name, params)
     if name == "none":
@@ -38,8 +42,17 @@ def make_drafter(name: str, model=None, **params) -> Drafter:
     if name == "pldplus-h":
         params.setdefault("layer", default_layer(model.config))
         return PLDPlusHiddenDrafter(**params)
+    if name == "pldplus-a":
+        if "heads" not in params:
+            from ragspec.decoding.heads import calibrate_heads
+
+            if model is None or tokenizer is None:
+                raise ValueError("pldplus-a needs the model and its tokenizer to calibrate induction heads")
+            params["heads"] = calibrate_heads(model, tokenizer, top=int(params.pop("top", 16)))
+        params.pop("top", None)
+        return PLDPlusAttentionDrafter(**params)
     raise ValueError(f"unknown drafting method '{name}' (one of {', '.join(METHODS)})")
 
 
-__all__ = ["DraftState", "Drafter", "METHODS", "NoDraft", "NgramTrieDrafter", "PLDPlusHiddenDrafter",
+__all__ = ["DraftState", "Drafter", "METHODS", "NoDraft", "NgramTrieDrafter", "PLDPlusAttentionDrafter", "PLDPlusHiddenDrafter",
            "PromptLookupDrafter", "Segment", "check_params", "make_drafter"]

@@ -30,6 +30,7 @@ class DraftState:
     prompt_len: int
     segments: list[Segment] = field(default_factory=list)
     hidden: object = None  # torch tensor [cached positions, d] when the drafter asked for a layer
+    attention: object = None  # torch tensor [cached positions]: chosen heads' attention of the last cached one
 
     @property
     def generated(self) -> list[int]:

@@ -2,8 +2,9 @@
 artifacts instead of taking the first match.
 
 Candidates are the positions j where the last token x_t occurs earlier (Eq. 1). `pldplus-h` ranks them by
-the cosine between the layer-l hidden states H_{j-1} and H_{t-1} (Eq. 3); the hidden states come from the
-verifier's own forwards (prefill and accepted positions), never an extra pass. The K tokens after the best
+the cosine between the layer-l hidden states H_{j-1} and H_{t-1} (Eq. 3); `pldplus-a` by the induction
+heads' attention of x_{t-1} (Eq. 2). Both artifacts come from the verifier's own forwards (prefill and
+accepted positions), never an extra pass. The K tokens after the best
 j are the draft (§4.3); `branches > 1` verifies the next-best occurrences too, as siblings in one tree.
 """
 
@@ -69,3 +70,27 @@ class PLDPlusHiddenDrafter:
             if len(tree) >= budget:
                 break
         return tree
+
+
+class PLDPlusAttentionDrafter(PLDPlusHiddenDrafter):
+    """PLD+ (a), Eq. 2: candidates ranked by the attention the last cached token (x_{t-1}) pays to them,
+    max-aggregated over the induction heads found by calibration (`ragspec.decoding.heads`). An induction
+    head at x_{t-1} attends to the token after an earlier x_{t-1}, i.e. to a j with x_j = x_t."""
+
+    name = "pldplus-a"
+
+    def __init__(self, heads: list, num_tokens: int = 70, branches: int = 1, max_candidates: int = 512):
+        super().__init__(layer=0, num_tokens=num_tokens, branches=branches, max_candidates=max_candidates)
+        self.hidden_layer = None
+        self.attention_heads = tuple((int(a), int(b)) for a, b in heads)
+
+    def rank(self, state: DraftState, cands: list[int]) -> list[int]:
+        row = state.attention
+        if row is None or not cands:
+            return cands  # no attention row yet: first-occurrence order, as plain PLD
+        inside = [j for j in cands if j < len(row)]
+        if not inside:
+            return cands
+        scores = row[torch.tensor(inside, device=row.device)]
+        order = torch.argsort(scores, descending=True, stable=True).tolist()
+        return [inside[i] for i in order] + [j for j in cands if j >= len(row)]
