@@ -29,5 +29,5 @@ test: install
 quickstart: install
 	$(PY) examples/pydoc_corpus.py $(QUICKSTART_CORPUS)
 	$(VENV)/bin/ragspec index $(QUICKSTART_CORPUS) --name pydoc-topics
-	$(VENV)/bin/ragspec ask "What happens, step by step, when a with statement is executed?" \
+	$(VENV)/bin/ragspec ask "What does the global statement do?" \
 		--index indexes/pydoc-topics --pipeline pipelines/default.yaml

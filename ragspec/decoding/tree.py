@@ -89,8 +89,11 @@ class DraftTree:
             rows.append([0] + [j + 1 for j in self.path(i)])
         return rows
 
-    def attention_mask(self, cached: int, dtype, device=None):
-        """Float 4-D mask [1, 1, 1+n, cached+1+n]: 0 where visible, the dtype's minimum elsewhere."""
+    def attention_mask(self, cached: int, dtype, device=None, window: int | None = None):
+        """Float 4-D mask [1, 1, 1+n, cached+1+n]: 0 where visible, the dtype's minimum elsewhere.
+
+        `window`: a sliding-window layer's span — a row at position q also hides cached keys k with
+        q - k >= window (the convention of HF's sliding-window masks)."""
         import torch
 
         n = len(self)
@@ -99,4 +102,9 @@ class DraftTree:
         mask[:, :cached] = 0
         for r, visible in enumerate(self.visibility()):
             mask[r, [cached + v for v in visible]] = 0
+        if window is not None:
+            for r, q in enumerate(self.position_ids(cached)):
+                oldest = q - window + 1  # the first key position still inside the window
+                if oldest > 0:
+                    mask[r, : min(oldest, cached)] = lo
         return mask[None, None]

@@ -18,6 +18,13 @@ from ragspec.decoding.sampling import SamplingSettings, target_probs
 from ragspec.decoding.tree import DraftTree
 
 
+def sliding_window(config) -> int | None:
+    """The window of the model's sliding-window layers, if it has any (config.layer_types names them)."""
+    types = getattr(config, "layer_types", None) or ()
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window and "sliding_attention" in types else None
+
+
 @dataclass
 class StepResult:
     tokens: list[int]  # accepted draft tokens, then the bonus token
@@ -59,7 +66,10 @@ class Verifier:
 
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        self.cache = DynamicCache(config=self.model.config)
+        # sliding-window layers (Gemma 3, Mistral-style) keep every key here, hidden by the mask instead: a
+        # windowed cache would drop keys our tree rows and cache trimming still index
+        self.window = sliding_window(self.model.config)
+        self.cache = DynamicCache() if self.window else DynamicCache(config=self.model.config)
         self.cached = 0
         self.root = int(prompt_ids[-1])
         self._hidden = None  # [capacity, d] buffer of layer-`hidden_layer` states of cached positions
@@ -101,6 +111,9 @@ class Verifier:
         ids = torch.tensor([[self.root] + tree.tokens], device=self.device)
         pos = torch.tensor([tree.position_ids(self.cached)], device=self.device)
         mask = tree.attention_mask(self.cached, self.dtype, self.device)
+        if self.window:  # one mask per layer type
+            mask = {"full_attention": mask,
+                    "sliding_attention": tree.attention_mask(self.cached, self.dtype, self.device, self.window)}
         t = time.perf_counter()
         if self._capture is not None:
             from ragspec.decoding.heads import eager_attention
