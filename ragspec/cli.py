@@ -343,7 +343,7 @@ def bench(
     category: str = typer.Option("rag", "--category"),
     limit: Optional[int] = typer.Option(None, "--limit"),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", "--model"),
-    methods: str = typer.Option("vanilla,hf-pld,pld,trie,pldplus-h", "--methods"),
+    methods: str = typer.Option("vanilla,hf-pld,pld,trie,pldplus-h,pldplus-a", "--methods"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     budget: str = typer.Option("auto", "--budget", help="draft tree size: auto (cost-aware) or a number"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the result JSON here"),
@@ -395,7 +395,7 @@ def ask(
     as_json: bool = typer.Option(False, "--json", help="print the Answer as one JSON document (schema in README)"),
     no_stream: bool = typer.Option(False, "--no-stream", help="print the answer when it is complete"),
     model: Optional[str] = typer.Option(None, "--model", help="override generator.model"),
-    method: Optional[str] = typer.Option(None, "--drafting", help="override drafting.method (none|pld|trie|pldplus-h)"),
+    method: Optional[str] = typer.Option(None, "--drafting", help="override drafting.method (none|pld|trie|pldplus-h|pldplus-a)"),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="override generator.max_new_tokens"),
 ):
     """Answer a question over an index: streamed, copied spans highlighted and cited, sources listed."""

@@ -104,6 +104,7 @@ class AdaptiveBudget:
 
     cost: CostModel
     max_nodes: int = 256
+    min_nodes: int = 1  # always offer one node: nearly free (t(2) ≈ t(1)), and it keeps the rates learning
     alpha: float = 0.15
     rates: list[float] = field(default_factory=list)
 
@@ -120,11 +121,13 @@ class AdaptiveBudget:
             saved = gain - (self.cost.time(1 + k) - t1)
             if saved > best_saved:
                 best_k, best_saved = k, saved
-        return best_k
+        return max(best_k, self.min_nodes)
 
-    def observe(self, tree_size: int, accepted_ranks: list[int]) -> None:
-        """Update with one step: nodes 0..tree_size-1 were verified, `accepted_ranks` were accepted."""
+    def observe(self, offered: int, accepted_ranks: list[int]) -> None:
+        """Update with one step: ranks 0..offered-1 were on offer (the cap given to the drafter); those in
+        `accepted_ranks` were accepted. A rank the drafter left empty counts as a miss — a budget the drafter
+        cannot fill gains nothing, so it must not keep the tree cap (and the tree) large."""
         hit = set(accepted_ranks)
         a = self.alpha
-        for r in range(min(tree_size, self.max_nodes)):
+        for r in range(min(offered, self.max_nodes)):
             self.rates[r] = (1 - a) * self.rates[r] + a * (1.0 if r in hit else 0.0)

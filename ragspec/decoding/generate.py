@@ -111,7 +111,7 @@ class SpeculativeGenerator:
             stats.draft_ms += (time.perf_counter() - t) * 1000
             res = verifier.step(tree)
             if isinstance(self.budget, AdaptiveBudget):
-                self.budget.observe(len(tree), res.path)
+                self.budget.observe(max(len(tree), cap), res.path)
             stats.verify_ms += res.forward_ms
             stats.steps += 1
             stats.tree_nodes += res.tree_size

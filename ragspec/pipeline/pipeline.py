@@ -38,6 +38,7 @@ class Pipeline:
         self._retriever = None
         self._model, self._tokenizer = model, tokenizer
         self._cost = None
+        self._rates: list[float] | None = None  # per-rank draft acceptance learned over this pipeline's answers
         self._load_lock = threading.RLock()
 
     @classmethod
@@ -183,7 +184,9 @@ class Pipeline:
         sampling = SamplingSettings(temperature=g.temperature if temperature is None else temperature,
                                     top_k=g.top_k, top_p=g.top_p, seed=g.seed)
         drafter = make_drafter(d.method, model, tok, **d.params)
-        budget = AdaptiveBudget(self._cost) if d.budget == "auto" and self._cost else (
+        # the adaptive budget starts from the acceptance learned on earlier answers (short answers end before
+        # a fresh estimate settles); it changes speed only, never the output
+        budget = AdaptiveBudget(self._cost, rates=list(self._rates or [])) if d.budget == "auto" and self._cost else (
             64 if d.budget == "auto" else int(d.budget))
         stops = tuple(g.stop) + tuple(stop or ())
         gen = SpeculativeGenerator(model, tok, drafter, sampling, max_new, stops, budget=budget)
@@ -204,6 +207,8 @@ class Pipeline:
         if matcher is not None:
             for c in matcher.finish():
                 yield CitationEvent(c)
+        if isinstance(budget, AdaptiveBudget):
+            self._rates = list(budget.rates)
         s = gen.stats
         stats = AnswerStats(
             retrieval_ms=retrieval_ms, prompt_tokens=s.prompt_tokens, prefill_ms=s.prefill_ms, decode_ms=s.decode_ms,
