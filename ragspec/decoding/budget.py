@@ -124,9 +124,9 @@ class AdaptiveBudget:
         return max(best_k, self.min_nodes)
 
     def observe(self, offered: int, accepted_ranks: list[int]) -> None:
-        """Update with one step: ranks 0..offered-1 were on offer (the cap given to the drafter); those in
-        `accepted_ranks` were accepted. A rank the drafter left empty counts as a miss — a budget the drafter
-        cannot fill gains nothing, so it must not keep the tree cap (and the tree) large."""
+        """Update with one proposal: ranks 0..offered-1 were on offer; those in `accepted_ranks` were (or would
+        have been) accepted. A rank the drafter left empty counts as a miss — a budget the drafter cannot fill
+        gains nothing, so it must not keep the tree cap (and the tree) large."""
         hit = set(accepted_ranks)
         a = self.alpha
         for r in range(min(offered, self.max_nodes)):

@@ -10,6 +10,7 @@ from typing import Iterator
 
 from ragspec.decoding.budget import AdaptiveBudget
 from ragspec.decoding.drafters.base import DraftState, Drafter, NoDraft, Segment
+from ragspec.decoding.tree import DraftTree
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.stream import IncrementalDecoder
 from ragspec.decoding.verifier import Verifier
@@ -95,6 +96,7 @@ class SpeculativeGenerator:
         held_tokens: list[int] = []
         held_sources: list[int] = []
         t_decode = time.perf_counter()
+        pending: list[tuple[DraftTree, int]] = []  # proposals whose outcome is not yet known
         while True:
             remaining = self.max_new_tokens - stats.new_tokens
             if remaining <= 0:
@@ -105,13 +107,16 @@ class SpeculativeGenerator:
                 state.hidden = verifier.hidden_states()
             if heads:
                 state.attention = verifier.attention_row()
-            cap = self.budget.budget() if isinstance(self.budget, AdaptiveBudget) else int(self.budget)
-            tree = self.drafter.propose(state, max(0, min(cap, remaining - 1)))
-            tree = tree.truncated(max(0, cap))
+            adaptive = isinstance(self.budget, AdaptiveBudget)
+            cap = self.budget.budget() if adaptive else int(self.budget)
+            # the adaptive budget learns from the whole proposal, not just the part verified now: how deep it
+            # would have been accepted is read off the tokens that follow (else a small cap could never grow)
+            full = self.drafter.propose(state, max(0, min(self.budget.max_nodes if adaptive else cap, remaining - 1)))
+            tree = full.truncated(max(0, cap))
             stats.draft_ms += (time.perf_counter() - t) * 1000
             res = verifier.step(tree)
-            if isinstance(self.budget, AdaptiveBudget):
-                self.budget.observe(max(len(tree), cap), res.path)
+            if adaptive:
+                pending.append((full, len(self.tokens)))
             stats.verify_ms += res.forward_ms
             stats.steps += 1
             stats.tree_nodes += res.tree_size
@@ -126,6 +131,8 @@ class SpeculativeGenerator:
             stats.new_tokens += len(toks)
             self.tokens.extend(toks)
             state.tokens.extend(toks)
+            if adaptive:
+                pending = self._settle(pending, final=False)
             t = time.perf_counter()
             self.drafter.update(state, toks)
             stats.draft_ms += (time.perf_counter() - t) * 1000
@@ -152,6 +159,8 @@ class SpeculativeGenerator:
             if finish:
                 stats.finish_reason = finish
                 break
+        if isinstance(self.budget, AdaptiveBudget):
+            self._settle(pending, final=True)
         if stats.finish_reason != "stop":
             tail = held + decoder.flush()
             if self.stop_strings:
@@ -162,6 +171,25 @@ class SpeculativeGenerator:
             if tail or held_tokens:
                 yield Delta(tail, held_tokens, held_sources)
         stats.decode_ms = (time.perf_counter() - t_decode) * 1000
+
+
+    def _settle(self, pending: list, final: bool) -> list:
+        """Score proposals whose depth the output has now passed (or all, at the end): the ranks of the nodes
+        on the path the output followed were accepted, every other rank was a miss."""
+        keep = []
+        for full, start in pending:
+            if not final and len(self.tokens) - start <= full.max_depth():
+                keep.append((full, start))
+                continue
+            node, path = -1, []
+            for tok in self.tokens[start:]:
+                nxt = full.child(node, tok)
+                if nxt is None:
+                    break
+                path.append(nxt)
+                node = nxt
+            self.budget.observe(self.budget.max_nodes, path)
+        return keep
 
 
 def _find_stop(text: str, stops) -> int | None:
