@@ -52,7 +52,8 @@ def _model_key(model) -> str:
 
     threads = torch.get_num_threads() if dev.type == "cpu" else 0
     h = hashlib.sha256(cfg.encode()).hexdigest()[:12]
-    return f"{getattr(model.config, 'model_type', 'model')}-{h}-{dev.type}-{str(dtype).split('.')[-1]}-t{threads}"
+    packed = "-packed" if getattr(model, "ragspec_packed_linears", 0) else ""  # other kernels, other costs
+    return f"{getattr(model.config, 'model_type', 'model')}-{h}-{dev.type}-{str(dtype).split('.')[-1]}-t{threads}{packed}"
 
 
 def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | None = None, force: bool = False,
