@@ -66,7 +66,7 @@ def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | Non
     path = folder / f"{_model_key(model)}.json"
     if path.exists() and not force:
         data = json.loads(path.read_text())
-        return CostModel(data["sizes"], data["ms"])
+        return CostModel(data["sizes"], monotone(data["ms"]))
     dev = next(model.parameters()).device
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -91,12 +91,21 @@ def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | Non
                     layer.keys = layer.keys[:, :, :context]
                     layer.values = layer.values[:, :, :context]
             ms.append(sorted(times[1:])[len(times[1:]) // 2])
-    model_cost = CostModel(list(sizes), ms)
+    model_cost = CostModel(list(sizes), monotone(ms))
     folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(model_cost.as_dict() | {"context": context, "key": path.stem}, indent=2))
     tmp.replace(path)
     return model_cost
+
+
+def monotone(ms: list[float]) -> list[float]:
+    """A forward of more tokens never costs less: a timing above a later (larger) one is noise from a busy
+    machine, so each t(n) becomes the least time measured at n or beyond."""
+    out = list(ms)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
 
 
 @dataclass

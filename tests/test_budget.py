@@ -1,0 +1,20 @@
+"""The cost-aware budget: a monotone cost curve, and a tree cap that follows acceptance and cost."""
+
+from ragspec.decoding.budget import AdaptiveBudget, CostModel, monotone
+
+
+def test_monotone_removes_upward_noise():
+    assert monotone([120, 170, 170, 380, 470, 350, 450]) == [120, 170, 170, 350, 350, 350, 450]
+    assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+
+
+def test_budget_follows_cost_and_acceptance():
+    flat = CostModel([1, 2, 4, 8, 16, 32, 64], [100, 101, 102, 103, 104, 105, 106])
+    steep = CostModel([1, 2, 4, 8, 16, 32, 64], [100, 200, 400, 800, 1600, 3200, 6400])
+    good = [0.9] * 64
+    assert AdaptiveBudget(flat, max_nodes=64, rates=list(good)).budget() == 64
+    assert AdaptiveBudget(steep, max_nodes=64, rates=list(good)).budget() == 1  # the floor: one node
+    b = AdaptiveBudget(flat, max_nodes=64, rates=list(good))
+    for _ in range(60):  # nothing is ever accepted: rates fall, and so does the cap
+        b.observe(64, [])
+    assert b.budget() == 1
