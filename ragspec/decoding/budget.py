@@ -28,6 +28,9 @@ class CostModel:
     sizes: list[int]
     ms: list[float]
 
+    def __post_init__(self):
+        self.ms = monotone(self.ms)  # measured or read back from an older cache file alike
+
     def time(self, n: int) -> float:
         """t(n) by linear interpolation (extrapolated linearly past the last size)."""
         s, m = self.sizes, self.ms
@@ -66,7 +69,7 @@ def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | Non
     path = folder / f"{_model_key(model)}.json"
     if path.exists() and not force:
         data = json.loads(path.read_text())
-        return CostModel(data["sizes"], monotone(data["ms"]))
+        return CostModel(data["sizes"], data["ms"])
     dev = next(model.parameters()).device
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -91,7 +94,7 @@ def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | Non
                     layer.keys = layer.keys[:, :, :context]
                     layer.values = layer.values[:, :, :context]
             ms.append(sorted(times[1:])[len(times[1:]) // 2])
-    model_cost = CostModel(list(sizes), monotone(ms))
+    model_cost = CostModel(list(sizes), ms)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(model_cost.as_dict() | {"context": context, "key": path.stem}, indent=2))

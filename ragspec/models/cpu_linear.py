@@ -59,7 +59,8 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, batch_hint: int = 16) -> int:
-    """Replace each `nn.Linear` of a CPU float32 (or bfloat16, where oneDNN has bf16 kernels) model by a `PackedLinear`; returns how many.
+    """Replace each `nn.Linear` of a CPU float32 model (bfloat16 where oneDNN has bf16 kernels) by a
+    `PackedLinear`; returns how many.
 
     A no-op (0) on other devices, other dtypes, without oneDNN, or with RAGSPEC_PACKED_LINEAR=0."""
     if os.environ.get("RAGSPEC_PACKED_LINEAR", "1") == "0" or not packing_available():

@@ -43,10 +43,9 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
     except Exception as exc:
         raise hub_error(name, "generator", exc) from exc
     model.eval()
-    if device == "cpu":
-        from ragspec.models.cpu_linear import pack_linears
+    from ragspec.models.cpu_linear import pack_linears
 
-        pack_linears(model)
+    pack_linears(model)  # CPU only; a no-op elsewhere
     return model, tokenizer
 
 
