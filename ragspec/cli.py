@@ -198,7 +198,8 @@ def info(index_path: Path = typer.Argument(..., metavar="INDEX"),
         out.print(f"  embedder   {e['name']} ({e['dimension']}-d, {e['dtype']}, normalised)")
         out.print(f"  chunker    {m['chunker']['tokens']} tokens, overlap {m['chunker']['overlap']}")
         out.print(f"  faiss      {f['factory']} ({f['kind']}, nprobe {f['nprobe']}"
-                  + (f", refine ×{f['refine_k_factor']}" if f.get("refine_k_factor") else "") + ")")
+                  + (f", refine ×{f['refine_k_factor']}" if f.get("refine_k_factor") else "")
+                  + (f", each vector in {1 + f['spill']} lists ({f['spill_rule']})" if f.get("spill") else "") + ")")
         out.print(f"  stages     {' → '.join(stages)}")
         if verify:
             out.print("  [green]all files match their sha256[/]")

@@ -30,6 +30,7 @@ class IndexSettings(Strict):
     nprobe: int = Field(16, ge=1, description="IVF lists probed per query")
     refine: bool = Field(True, description="re-rank the PQ shortlist exactly (IndexRefineFlat)")
     refine_k_factor: int = Field(8, ge=1, description="shortlist size = k × this")
+    spill: int = Field(1, ge=0, le=3, description="extra IVF lists each vector is stored in (SOAR); needs refine")
     bm25: bool = Field(True, description="also build a BM25 index over the same chunks")
     device: Literal["cpu", "cuda"] = Field("cpu", description="embedding and FAISS device")
 

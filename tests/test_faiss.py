@@ -56,3 +56,54 @@ def test_ivfpq_recall_against_exact(tmp_path):
     _, a = faiss_index.search(ann, q, 10)
     recall = np.mean([len(set(e[i]) & set(a[i])) / 10 for i in range(len(q))])
     assert recall >= 0.9, recall
+
+
+def test_spilled_index_keeps_each_vector_in_two_lists_and_returns_each_id_once(tmp_path):
+    import faiss
+
+    x = clustered(6_000, 64)
+    q = clustered(100, 64, seed=2)
+    plan = plan_index(len(x), 64, "ivfpq")
+    assert plan.spill == 1 and plan.as_dict()["spill_rule"].startswith("soar")
+    ann = faiss_index.build(x, plan)
+    assert faiss.extract_index_ivf(ann).ntotal == 2 * len(x) and ann.ntotal == len(x)
+    faiss_index.write(ann, tmp_path / "s.index")
+    ann = faiss_index.read(tmp_path / "s.index", plan.as_dict())
+    scores, ids = faiss_index.search(ann, q, 10)
+    assert ids.shape == (100, 10) and (ids >= 0).all()
+    for row, srow in zip(ids, scores):
+        assert len(set(row.tolist())) == 10
+        assert (np.diff(srow) <= 1e-6).all()  # still best first
+    exact = faiss_index.build(x, plan_index(len(x), 64, "flat"))
+    _, e = faiss_index.search(exact, q, 10)
+    plain = faiss_index.build(x, plan_index(len(x), 64, "ivfpq", spill=0))
+    _, a0 = faiss_index.search(plain, q, 10)
+    recall = [np.mean([len(set(e[i]) & set(a[i])) / 10 for i in range(len(q))]) for a in (a0, ids)]
+    assert recall[1] >= recall[0], recall
+
+
+def test_refined_scores_are_exact_inner_products():
+    x = clustered(6_000, 64)
+    q = clustered(20, 64, seed=3)
+    ann = faiss_index.build(x, plan_index(len(x), 64, "ivfpq"))
+    scores, ids = faiss_index.search(ann, q, 5)
+    np.testing.assert_allclose(scores, np.einsum("qd,qkd->qk", q, x[ids]), rtol=1e-5, atol=1e-5)
+
+
+def test_soar_assignment_rules():
+    rng = np.random.default_rng(0)
+    c = rng.normal(size=(20, 8)).astype(np.float32)
+    x = rng.normal(size=(300, 8)).astype(np.float32)
+    l2 = ((x[:, None, :] - c[None]) ** 2).sum(-1)
+    primary = l2.argmin(1)
+    taken = primary[:, None]
+    second = faiss_index.soar_assign(x, c, primary, taken, lam=0.0, block=64)
+    np.testing.assert_array_equal(second, np.argsort(l2, axis=1)[:, 1])  # λ = 0: the next-nearest list
+    soar = faiss_index.soar_assign(x, c, primary, taken, lam=1.0, block=64)
+    assert (soar != primary).all()
+    third = faiss_index.soar_assign(x, c, primary, np.stack([primary, soar], 1), block=64)
+    assert (third != primary).all() and (third != soar).all()
+
+
+def test_spilling_needs_the_exact_reranking():
+    assert plan_index(40_000, 384, refine=False).spill == 0
