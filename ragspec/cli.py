@@ -37,6 +37,13 @@ def _run(fn):
         _fail("interrupted", 130)
 
 
+def _write_json_atomic(path: Path, data) -> None:
+    """Write JSON beside `path` and rename it into place: a run stopped mid-write never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -366,9 +373,8 @@ def bench(
         with progress() as bar:
             task = bar.add_task(f"{category} × {len(rows)}", total=len(rows))
             result = run_bench(lm, tok, rows, [m.strip() for m in methods.split(",") if m.strip()], max_new_tokens,
-                               b, progress=lambda: bar.advance(task), model_name=model, category=category)
-        if json_out:
-            json_out.write_text(json.dumps(result, indent=2))
+                               b, progress=lambda: bar.advance(task), model_name=model, category=category,
+                               on_prompt=(lambda r: _write_json_atomic(json_out, r)) if json_out else None)
         if plot_out:
             plot(result, plot_out)
         from rich.console import Console

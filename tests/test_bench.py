@@ -20,6 +20,8 @@ def test_bench_json_schema(tmp_path):
     assert r.exit_code == 0, r.output
     res = json.loads(out.read_text())
     assert {"model", "category", "prompts", "max_new_tokens", "methods"} <= set(res)
+    assert res["complete"] is True and res["prompts"] == 1  # rewritten after every prompt; this is the last
+    assert not (tmp_path / "r.json.tmp").exists()
     for name in ("vanilla", "hf-pld", "pld", "trie", "pldplus-h"):
         m = res["methods"][name]
         assert {"tokens_per_s", "decode_tokens_per_s", "speedup", "mean_accepted", "draft_ms_per_step",

@@ -95,7 +95,10 @@ def drafter_memory_mb(method: str, model, tokenizer=None, tokens: int = 4096) ->
 
 
 def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new_tokens: int = 128,
-              budget: str | int = "auto", progress=None, model_name: str = "", category: str = "") -> dict:
+              budget: str | int = "auto", progress=None, model_name: str = "", category: str = "",
+              on_prompt=None) -> dict:
+    """Run every method on every prompt, interleaved; `on_prompt(result_so_far)` after each prompt lets a long
+    run keep its figures if it is stopped ("complete": false until the last prompt)."""
     unknown = [m for m in methods if m not in HF_METHODS and m not in METHODS]
     if unknown:
         raise RagspecError(f"unknown bench method(s): {', '.join(unknown)}")
@@ -109,10 +112,17 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
     warm = chat_ids(tokenizer, prompts[0]["turns"][0])
     for m in methods:
         _run_one(m, model, tokenizer, warm, 8, eos, drafters, budgets)
+    memory = {m: drafter_memory_mb(m, model, tokenizer) for m in methods if m not in HF_METHODS and m != "none"}
     acc = defaultdict(lambda: defaultdict(float))
     hist = defaultdict(list)
     divergences = defaultdict(list)
     identical = defaultdict(int)
+    head = {"model": model_name, "category": category, "max_new_tokens": max_new_tokens,
+            "budget": budget if isinstance(budget, int) else "auto", "cost_model": cost.as_dict() if cost else None}
+
+    def summary(done: int) -> dict:
+        return _summarize(acc, hist, divergences, identical, memory, methods, done, len(prompts), head)
+
     for n, row in enumerate(prompts):
         prompt = chat_ids(tokenizer, row["turns"][0])
         pre = prefill_ms(model, prompt)
@@ -140,13 +150,17 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
                 divergences[m].append({"prompt": row.get("question_id", n), "position": pos,
                                        "top2_margin": round(margin, 6),
                                        "verdict": "tie" if margin < 1e-4 else ("bug" if margin > 1e-3 else "unclear")})
+        if on_prompt:
+            on_prompt(summary(n + 1))
         if progress:
             progress()
+    return summary(len(prompts))
+
+
+def _summarize(acc, hist, divergences, identical, memory, methods, done, total, head) -> dict:
     van = acc["vanilla"]
     van_tps = van["tokens"] / (van["total_ms"] / 1000)
-    result = {"model": model_name, "category": category, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-              "budget": budget if isinstance(budget, int) else "auto",
-              "cost_model": cost.as_dict() if cost else None, "methods": {}}
+    result = {**head, "prompts": done, "complete": done == total, "methods": {}}
     for m in methods:
         a = acc[m]
         tps = a["tokens"] / (a["total_ms"] / 1000)
@@ -163,7 +177,7 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
             "identical": identical[m],
             "divergences": divergences[m],
             "accepted_histogram": _histogram(hist[m]) if hist[m] else None,
-            "drafter_memory_mb_4k": drafter_memory_mb(m, model, tokenizer) if m not in HF_METHODS and m != "none" else None,
+            "drafter_memory_mb_4k": memory.get(m),
         }
     return result
 
