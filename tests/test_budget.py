@@ -18,3 +18,11 @@ def test_budget_follows_cost_and_acceptance():
     for _ in range(60):  # nothing is ever accepted: rates fall, and so does the cap
         b.observe(64, [])
     assert b.budget() == 1
+
+
+def test_budget_maximises_tokens_per_ms_not_time_saved():
+    # four sure nodes, then nodes accepted 15 % of the time at 10 ms each: each later node "saves" more than
+    # it costs (0.15 × 100 > 10) yet lowers the throughput, (1 + 3.6 + 0.15) / 150 < (1 + 3.6) / 140
+    linear = CostModel([1, 2, 4, 8, 16, 32, 64, 128], [100 + 10 * (n - 1) for n in (1, 2, 4, 8, 16, 32, 64, 128)])
+    rates = [0.9] * 4 + [0.15] * 60
+    assert AdaptiveBudget(linear, max_nodes=64, rates=rates).budget() == 4
