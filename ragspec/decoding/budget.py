@@ -128,12 +128,13 @@ class AdaptiveBudget:
         if not self.rates:
             # optimistic prior: early ranks are often right on copy-heavy tasks; later ones rarely
             self.rates = [0.8 / (1 + r / 8) for r in range(self.max_nodes)]
+        self._t = [self.cost.time(n) for n in range(self.max_nodes + 2)]  # t(n) once, not per step
 
     def budget(self) -> int:
-        best_k, best_rate, expected = 0, 1.0 / self.cost.time(1), 1.0
+        best_k, best_rate, expected = 0, 1.0 / self._t[1], 1.0
         for k in range(1, self.max_nodes + 1):
             expected += self.rates[k - 1]
-            rate = expected / self.cost.time(1 + k)
+            rate = expected / self._t[1 + k]
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return max(best_k, self.min_nodes)

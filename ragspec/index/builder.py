@@ -244,10 +244,7 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
     np.save(tmp / EMBEDDINGS, vectors.astype(np.float16), allow_pickle=False)
     # FAISS sees exactly the vectors a later incremental build will reuse (stored as float16)
     vectors = vectors.astype(np.float16).astype(np.float32)
-    plan = faiss_index.plan_index(
-        n, dim, settings.index_type, settings.faiss_factory, settings.nprobe, settings.refine, settings.refine_k_factor,
-        settings.spill,
-    )
+    plan = _faiss_plan(settings, n, dim)
     with console.status(f"FAISS {plan.factory} over {n} vectors") if show_progress else _null():
         index = faiss_index.build(vectors, plan, use_gpu=settings.device == "cuda")
         faiss_index.write(index, tmp / FAISS)
@@ -322,11 +319,17 @@ def _compatible(prev_manifest: dict, s: IndexSettings) -> bool:
     )
 
 
+def _faiss_plan(s: IndexSettings, n: int, dim: int) -> "faiss_index.FaissPlan":
+    """The FAISS plan these settings ask for (one place, for building and for the up-to-date check)."""
+    return faiss_index.plan_index(n, dim, s.index_type, s.faiss_factory, s.nprobe, s.refine, s.refine_k_factor,
+                                  s.spill)
+
+
 def _same_faiss_request(prev_manifest: dict, s: IndexSettings, n: int) -> bool:
     f = prev_manifest.get("faiss", {})
     dim = prev_manifest.get("embedder", {}).get("dimension", 0)
     try:
-        plan = faiss_index.plan_index(n, dim, s.index_type, s.faiss_factory, s.nprobe, s.refine, s.refine_k_factor, s.spill)
+        plan = _faiss_plan(s, n, dim)
     except RagspecError:
         return False
     return plan.as_dict() == f
