@@ -351,7 +351,8 @@ def bench(
     category: str = typer.Option("rag", "--category"),
     limit: Optional[int] = typer.Option(None, "--limit"),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", "--model"),
-    methods: str = typer.Option("vanilla,hf-pld,pld,trie,pldplus-h,pldplus-a", "--methods"),
+    methods: str = typer.Option("vanilla,hf-pld,pld,trie,suffix,oracle", "--methods",
+                                help="vanilla, hf-pld, none, pld, trie, suffix, pldplus-h, pldplus-a, oracle (the ceiling)"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     budget: str = typer.Option("auto", "--budget", help="draft tree size: auto (cost-aware) or a number"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the result JSON here"),
@@ -381,15 +382,18 @@ def bench(
         from rich.table import Table
 
         t = Table(title=f"{model} — {category}, {len(rows)} prompts, {max_new_tokens} new tokens")
-        for col in ("method", "tok/s", "decode tok/s", "speed-up", "tok/step", "draft ms", "verify ms",
-                    "identical", "mem MB"):
+        for col in ("method", "tok/s", "decode tok/s", "speed-up", "of ceiling", "tok/step", "nodes/step",
+                    "draft · inputs · forward · accept · trim (ms/step)", "identical", "mem MB"):
             t.add_column(col, justify="left" if col == "method" else "right")
         for m, r in result["methods"].items():
             f = lambda v, fmt="{:.2f}": "–" if v is None else fmt.format(v)  # noqa: E731
+            split = " · ".join(f"{v:.1f}" for v in r["step_ms"].values()) if r.get("step_ms") else "–"
             t.add_row(m, f(r["tokens_per_s"]), f(r["decode_tokens_per_s"]), f(r["speedup"], "{:.2f}×"),
-                      f(r["mean_accepted"]), f(r["draft_ms_per_step"]), f(r["verify_ms_per_step"]),
+                      f(r.get("of_ceiling"), "{:.0%}"), f(r["mean_accepted"]), f(r["tree_nodes_per_step"]), split,
                       f"{r['identical']}/{len(rows)}", f(r["drafter_memory_mb_4k"]))
         Console().print(t)
+        cpu = result["cpu"]
+        Console().print(f"CPU: {cpu['model']} · {cpu['threads']} threads · {' '.join(cpu['flags'])}")
 
     _run(body)
 
@@ -402,7 +406,7 @@ def ask(
     as_json: bool = typer.Option(False, "--json", help="print the Answer as one JSON document (schema in README)"),
     no_stream: bool = typer.Option(False, "--no-stream", help="print the answer when it is complete"),
     model: Optional[str] = typer.Option(None, "--model", help="override generator.model"),
-    method: Optional[str] = typer.Option(None, "--drafting", help="override drafting.method (none|pld|trie|pldplus-h|pldplus-a)"),
+    method: Optional[str] = typer.Option(None, "--drafting", help="override drafting.method (none|pld|trie|suffix|pldplus-h|pldplus-a)"),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="override generator.max_new_tokens"),
 ):
     """Answer a question over an index: streamed, copied spans highlighted and cited, sources listed."""

@@ -81,7 +81,7 @@ class GeneratorSettings(Strict):
 
 
 class DraftingSettings(Strict):
-    method: Literal["none", "pld", "trie", "pldplus-h", "pldplus-a"] = Field(
+    method: Literal["none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a"] = Field(
         "trie", description="where drafts come from (none = plain decoding through the same verifier)"
     )
     budget: int | Literal["auto"] = Field(
@@ -89,6 +89,9 @@ class DraftingSettings(Strict):
     )
     params: dict[str, int | float] = Field(
         default_factory=dict, description="the method's own parameters, e.g. {n: 13, lp: 3, num_draft: 64} for trie"
+    )
+    memory: int = Field(
+        64, ge=0, description="suffix: earlier answers of this pipeline it may draft from (LRU; 0 = off)"
     )
 
 

@@ -14,7 +14,7 @@ def test_bench_json_schema(tmp_path):
     prompts.write_text(json.dumps({"question_id": 1, "category": "summarization", "turns": [text]}) + "\n")
     out = tmp_path / "r.json"
     r = CliRunner().invoke(app, ["bench", "--prompts", str(prompts), "--category", "summarization", "--model",
-                                 "smollm2-135m-instruct", "--methods", "vanilla,hf-pld,pld,trie,pldplus-h",
+                                 "smollm2-135m-instruct", "--methods", "vanilla,hf-pld,pld,trie,suffix,oracle,pldplus-h",
                                  "--max-new-tokens", "12", "--budget", "16", "--json", str(out), "--plot",
                                  str(tmp_path / "p.png")])
     assert r.exit_code == 0, r.output
@@ -22,10 +22,18 @@ def test_bench_json_schema(tmp_path):
     assert {"model", "category", "prompts", "max_new_tokens", "methods"} <= set(res)
     assert res["complete"] is True and res["prompts"] == 1  # rewritten after every prompt; this is the last
     assert not (tmp_path / "r.json.tmp").exists()
-    for name in ("vanilla", "hf-pld", "pld", "trie", "pldplus-h"):
+    for name in ("vanilla", "hf-pld", "pld", "trie", "suffix", "oracle", "pldplus-h"):
         m = res["methods"][name]
         assert {"tokens_per_s", "decode_tokens_per_s", "speedup", "mean_accepted", "draft_ms_per_step",
                 "verify_ms_per_step", "identical", "divergences"} <= set(m)
         assert m["identical"] == 1 and m["divergences"] == []
     assert res["methods"]["vanilla"]["speedup"] == 1.0
+    # the ceiling: the oracle's figures, and every method as a share of its speed-up
+    assert set(res["ceiling"]) == {"speedup", "mean_accepted", "decode_tokens_per_s"}
+    assert res["ceiling"]["speedup"] == res["methods"]["oracle"]["speedup"]
+    assert res["methods"]["oracle"]["of_ceiling"] == 1.0 and res["methods"]["trie"]["of_ceiling"] > 0
+    split = res["methods"]["suffix"]["step_ms"]
+    assert set(split) == {"draft", "inputs", "forward", "accept", "trim"} and split["forward"] > 0
+    assert res["methods"]["vanilla"]["step_ms"] is None
+    assert res["cpu"]["threads"] >= 1 and isinstance(res["cpu"]["flags"], list)
     assert (tmp_path / "p.png").stat().st_size > 0

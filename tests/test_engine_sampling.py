@@ -53,23 +53,29 @@ def draft_tree(p1, joint, prefix=None):
     return t
 
 
-def test_first_two_tokens_follow_the_model(smol):
-    model, tok = smol
-    msgs = [{"role": "user", "content": "Name one colour of the rainbow."}]
-    prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
-    p1, joint = exact_joint(model, prompt)
+def chat(tok, text):
+    prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                     return_dict=False)
+    return list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+
+
+def sample_pairs(model, prompt, first_tree, second_tree):
+    """SAMPLES draws of the first two tokens through the verifier, trees from the given functions."""
     base = Verifier(model, SETTINGS)
     base.prefill(prompt)
     counts: dict[tuple[int, int], int] = {}
     for _ in range(SAMPLES):
         v = base.fork()
-        res = v.step(draft_tree(p1, joint))
-        toks = res.tokens
+        toks = v.step(first_tree()).tokens
         if len(toks) < 2:
-            toks = toks + v.step(draft_tree(p1, joint, prefix=toks[0])).tokens[:1]
+            toks = toks + v.step(second_tree(toks[0])).tokens[:1]
         key = (toks[0], toks[1])
         counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def assert_follows(joint, counts):
+    """Chi-square of the sampled pairs against the exact joint, and enough power to catch a 5 % shift."""
     assert set(counts) <= set(joint), "sampled a pair the model gives zero probability"
     cells = sorted(joint, key=lambda k: -joint[k])
     expected = np.array([joint[k] for k in cells]) * SAMPLES
@@ -92,3 +98,30 @@ def test_first_two_tokens_follow_the_model(smol):
     critical = stats.chi2.ppf(1 - 1e-3, len(q) - 1)
     power = 1 - stats.ncx2.cdf(critical, len(q) - 1, noncentral)
     assert power > 0.95, power
+
+
+def test_first_two_tokens_follow_the_model(smol):
+    model, tok = smol
+    prompt = chat(tok, "Name one colour of the rainbow.")
+    p1, joint = exact_joint(model, prompt)
+    counts = sample_pairs(model, prompt, lambda: draft_tree(p1, joint),
+                          lambda first: draft_tree(p1, joint, prefix=first))
+    assert_follows(joint, counts)
+
+
+def test_suffix_drafts_keep_the_distribution(smol):
+    """The suffix drafter's own scored tree (several continuations of a repeated spot) under sampling."""
+    from ragspec.decoding.drafters.base import DraftState
+    from ragspec.decoding.drafters.suffix import SuffixDrafter
+
+    model, tok = smol
+    prompt = chat(tok, "Colours: red, blue, red, green, red, blue. Name one colour from the list.")
+    prompt += tok("Colours: red, blue, red, green, red, blue. One of them:", add_special_tokens=False)["input_ids"]
+    p1, joint = exact_joint(model, prompt)
+    drafter = SuffixDrafter()
+    state = DraftState(tokens=list(prompt), prompt_len=len(prompt))
+    drafter.prepare(state)
+    tree = drafter.propose(state, 12)
+    assert len(tree.children(-1)) >= 2 and tree.max_depth() >= 2  # branches and depth: both exercised
+    counts = sample_pairs(model, prompt, lambda: tree, lambda first: DraftTree())
+    assert_follows(joint, counts)

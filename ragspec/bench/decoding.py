@@ -22,6 +22,24 @@ from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.errors import RagspecError
 
 HF_METHODS = ("vanilla", "hf-pld")
+CEILING = "oracle"  # knows vanilla's output: the best any context drafter can do here (drafters/oracle.py)
+STEP_PARTS = ("draft", "inputs", "forward", "accept", "trim")
+
+
+def cpu_info() -> dict:
+    """The CPU a figure came from: model name, threads and the SIMD flags that decide which kernels run."""
+    model, flags = "", []
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    keep = [x for x in flags if x.startswith(("avx", "amx", "fma", "f16c")) or x in ("sse4_2",)]
+    return {"model": model, "threads": torch.get_num_threads(), "flags": sorted(keep)}
 
 
 def load_prompts(path: Path, category: str, limit: int | None) -> list[dict]:
@@ -99,7 +117,7 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
               on_prompt=None) -> dict:
     """Run every method on every prompt, interleaved; `on_prompt(result_so_far)` after each prompt lets a long
     run keep its figures if it is stopped ("complete": false until the last prompt)."""
-    unknown = [m for m in methods if m not in HF_METHODS and m not in METHODS]
+    unknown = [m for m in methods if m not in HF_METHODS and m not in METHODS and m != CEILING]
     if unknown:
         raise RagspecError(f"unknown bench method(s): {', '.join(unknown)}")
     if "vanilla" not in methods:
@@ -108,17 +126,22 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
     cost = calibrate(model) if budget == "auto" else None
     budgets = {m: (AdaptiveBudget(cost) if cost else int(budget)) for m in methods if m not in HF_METHODS}
     drafters = {m: make_drafter(m, model, tokenizer) for m in methods if m not in HF_METHODS}
+    if CEILING in drafters:  # the oracle sizes its own chain (it knows every token will be accepted)
+        drafters[CEILING].cost = cost
+        budgets[CEILING] = 256
     # warm-up: every method once on a short run
     warm = chat_ids(tokenizer, prompts[0]["turns"][0])
     for m in methods:
         _run_one(m, model, tokenizer, warm, 8, eos, drafters, budgets)
-    memory = {m: drafter_memory_mb(m, model, tokenizer) for m in methods if m not in HF_METHODS and m != "none"}
+    memory = {m: drafter_memory_mb(m, model, tokenizer) for m in methods
+              if m not in HF_METHODS and m not in ("none", CEILING)}
     acc = defaultdict(lambda: defaultdict(float))
     hist = defaultdict(list)
     divergences = defaultdict(list)
     identical = defaultdict(int)
     head = {"model": model_name, "category": category, "max_new_tokens": max_new_tokens,
-            "budget": budget if isinstance(budget, int) else "auto", "cost_model": cost.as_dict() if cost else None}
+            "budget": budget if isinstance(budget, int) else "auto", "cost_model": cost.as_dict() if cost else None,
+            "cpu": cpu_info(), "device": str(model.device)}
 
     def summary(done: int) -> dict:
         return _summarize(acc, hist, divergences, identical, memory, methods, done, len(prompts), head)
@@ -128,6 +151,8 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
         pre = prefill_ms(model, prompt)
         ref = None
         for m in methods:
+            if m == CEILING:
+                drafters[m].reference = list(ref)
             toks, total_ms, stats = _run_one(m, model, tokenizer, prompt, max_new_tokens, eos, drafters, budgets)
             if m == "vanilla":
                 ref = toks
@@ -141,6 +166,9 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
                 a["draft_ms"] += stats["draft_ms"]
                 a["verify_ms"] += stats["verify_ms"]
                 a["tree_nodes"] += stats["tree_nodes"]
+                a["step_draft"] += stats["draft_ms"]
+                for part, ms in stats["step_ms"].items():
+                    a["step_" + part] += ms
                 hist[m].extend(stats["accepted_lengths"])
             if toks == ref:
                 identical[m] += 1
@@ -178,7 +206,14 @@ def _summarize(acc, hist, divergences, identical, memory, methods, done, total, 
             "divergences": divergences[m],
             "accepted_histogram": _histogram(hist[m]) if hist[m] else None,
             "drafter_memory_mb_4k": memory.get(m),
+            # per step, ms: drafting, model inputs (ids, positions, mask), forward, acceptance, cache trim
+            "step_ms": {p: round(a["step_" + p] / steps, 3) for p in STEP_PARTS} if steps else None,
         }
+    ceiling = result["methods"].get(CEILING)
+    if ceiling:
+        result["ceiling"] = {k: ceiling[k] for k in ("speedup", "mean_accepted", "decode_tokens_per_s")}
+        for r in result["methods"].values():
+            r["of_ceiling"] = round(r["speedup"] / ceiling["speedup"], 3) if ceiling["speedup"] else None
     return result
 
 
@@ -218,7 +253,8 @@ def plot(result: dict, path: Path) -> None:
         xs = [int(k) for k in h]
         ax.bar(xs, [h[str(x)] for x in xs])
         r = result["methods"][m]
-        ax.set_title(f"{m}: {r['speedup']}×, {r['mean_accepted']} tok/step")
+        of = f", {r['of_ceiling']:.0%} of ceiling" if r.get("of_ceiling") is not None and m != CEILING else ""
+        ax.set_title(f"{m}: {r['speedup']}×{of}, {r['mean_accepted']} tok/step", fontsize=9)
         ax.set_xlabel("tokens per step")
     axes[0][0].set_ylabel("steps")
     fig.suptitle(f"{result['model']} — {result['category']} ({result['prompts']} prompts)")

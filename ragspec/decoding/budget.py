@@ -114,21 +114,100 @@ def monotone(ms: list[float]) -> list[float]:
     return out
 
 
+CONF_EDGES = (0.2, 0.4, 0.6, 0.8, 0.999)  # confidence buckets: [0, .2) … [.8, .999), [.999, 1]
+
+
+class ScoreCalibration:
+    """Acceptance of scored draft nodes, learned online per (group, confidence bucket).
+
+    A scored drafter gives each node the confidence that it follows its parent (e.g. how often that token
+    followed the matched context) and a group (e.g. how long the match was). What counts is how often such a
+    node is really accepted once its parent is: a Beta-smoothed hit rate per cell, starting from the drafter's
+    own estimate (`prior`), so a fresh cell trusts the drafter and a seen one trusts the data.
+    """
+
+    def __init__(self, strength: float = 6.0):
+        self.strength = strength
+        self.cells: dict[tuple[int, int], list[float]] = {}  # (group, bucket) → [hits, offers]
+
+    @staticmethod
+    def bucket(conf: float) -> int:
+        for i, edge in enumerate(CONF_EDGES):
+            if conf < edge:
+                return i
+        return len(CONF_EDGES)
+
+    def prior(self, group: int, conf: float) -> float:
+        return conf
+
+    def rate(self, group: int, conf: float) -> float:
+        hits, offers = self.cells.get((group, self.bucket(conf)), (0.0, 0.0))
+        return (hits + self.strength * self.prior(group, conf)) / (offers + self.strength)
+
+    def observe(self, group: int, conf: float, hit: bool) -> None:
+        cell = self.cells.setdefault((group, self.bucket(conf)), [0.0, 0.0])
+        cell[0] += 1.0 if hit else 0.0
+        cell[1] += 1.0
+
+    def as_dict(self) -> dict:
+        return {f"{g}:{b}": [round(h), round(o)] for (g, b), (h, o) in sorted(self.cells.items())}
+
+
 @dataclass
 class AdaptiveBudget:
-    """Per-rank acceptance rates (exponential moving averages) + the cost model → the tree size to use."""
+    """The cost model + what acceptance was seen → the draft to verify.
+
+    Unscored trees (pld, trie, PLD+) are cut by rank: per-rank acceptance rates (exponential moving averages).
+    Scored trees (suffix) are cut by confidence: each node's chance of acceptance is the product of the
+    calibrated conditional rates along its path, and the nodes most likely to be accepted are kept — as many
+    as maximise expected tokens per ms, none at all (a plain step) when no draft is expected to pay.
+    """
 
     cost: CostModel
     max_nodes: int = 256
-    min_nodes: int = 1  # always offer one node: nearly free (t(2) ≈ t(1)), and it keeps the rates learning
+    min_nodes: int = 1  # unscored: always offer one node (t(2) ≈ t(1)), and it keeps the rates learning
     alpha: float = 0.15
     rates: list[float] = field(default_factory=list)
+    calibration: ScoreCalibration = field(default_factory=ScoreCalibration)
 
     def __post_init__(self):
         if not self.rates:
             # optimistic prior: early ranks are often right on copy-heavy tasks; later ones rarely
             self.rates = [0.8 / (1 + r / 8) for r in range(self.max_nodes)]
         self._t = [self.cost.time(n) for n in range(self.max_nodes + 2)]  # t(n) once, not per step
+
+    def select(self, tree):
+        """The part of a proposal to verify now."""
+        if not tree.scored:
+            return tree.truncated(self.budget())
+        probs = self.path_probabilities(tree)
+        order = sorted(range(len(tree)), key=lambda i: (-probs[i], tree.depths[i], i))[: self.max_nodes]
+        best_k, best_rate, expected = 0, 1.0 / self._t[1], 1.0
+        for k, i in enumerate(order, start=1):
+            expected += probs[i]
+            rate = expected / self._t[1 + k]
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return tree.subset(order[:best_k])
+
+    def path_probabilities(self, tree) -> list[float]:
+        """P(node accepted) = Π over its path of the calibrated P(node accepted | parent accepted)."""
+        cal = self.calibration
+        out: list[float] = []
+        for i, parent in enumerate(tree.parents):
+            p = cal.rate(tree.groups[i], tree.confs[i])
+            out.append(p if parent < 0 else out[parent] * p)
+        return out
+
+    def observe_proposal(self, tree, path: list[int]) -> None:
+        """Learn from a whole proposal once the output has passed it; `path`: the nodes the output followed."""
+        if not tree.scored:
+            self.observe(self.max_nodes, path)
+            return
+        on_path = set(path)
+        for i, parent in enumerate(tree.parents):
+            if parent < 0 or parent in on_path:  # only nodes whose parent was accepted say anything
+                self.calibration.observe(tree.groups[i], tree.confs[i], i in on_path)
 
     def budget(self) -> int:
         best_k, best_rate, expected = 0, 1.0 / self._t[1], 1.0

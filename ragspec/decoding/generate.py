@@ -40,6 +40,7 @@ class GenerationStats:
     verify_ms: float = 0.0
     decode_ms: float = 0.0
     tree_nodes: int = 0
+    step_ms: dict = field(default_factory=dict)  # verify time by part: inputs (ids, positions, mask), forward, accept, trim
     accepted_lengths: list[int] = field(default_factory=list)  # tokens per step, bonus included
     finish_reason: str = ""
 
@@ -108,16 +109,18 @@ class SpeculativeGenerator:
             if heads:
                 state.attention = verifier.attention_row()
             adaptive = isinstance(self.budget, AdaptiveBudget)
-            cap = self.budget.budget() if adaptive else int(self.budget)
+            cap = self.budget.max_nodes if adaptive else int(self.budget)
             # the adaptive budget learns from the whole proposal, not just the part verified now: how deep it
             # would have been accepted is read off the tokens that follow (else a small cap could never grow)
-            full = self.drafter.propose(state, max(0, min(self.budget.max_nodes if adaptive else cap, remaining - 1)))
-            tree = full.truncated(max(0, cap))
+            full = self.drafter.propose(state, max(0, min(cap, remaining - 1)))
+            tree = self.budget.select(full) if adaptive else full.truncated(max(0, cap))
             stats.draft_ms += (time.perf_counter() - t) * 1000
             res = verifier.step(tree)
             if adaptive:
                 pending.append((full, len(self.tokens)))
-            stats.verify_ms += res.forward_ms
+            stats.verify_ms += res.verify_ms
+            for part, ms in res.timings.items():
+                stats.step_ms[part] = stats.step_ms.get(part, 0.0) + ms
             stats.steps += 1
             stats.tree_nodes += res.tree_size
             toks, srcs = res.tokens[:remaining], res.sources[:remaining]
@@ -188,7 +191,7 @@ class SpeculativeGenerator:
                     break
                 path.append(nxt)
                 node = nxt
-            self.budget.observe(self.budget.max_nodes, path)
+            self.budget.observe_proposal(full, path)
         return keep
 
 

@@ -16,6 +16,10 @@ class DraftTree:
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)  # 1 for children of the root
     sources: list[int] = field(default_factory=list)  # context position the token was copied from, -1 if none
+    # optional, for scored drafters: per node the drafter's confidence that it follows its parent (0..1) and a
+    # small group id (what the confidence was read from); the budget calibrates acceptance per (group, conf)
+    confs: list[float] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)
     _children: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -28,8 +32,9 @@ class DraftTree:
         """Children of `parent` in insertion order (which drafters make their priority order)."""
         return [i for i, p in enumerate(self.parents) if p == parent]
 
-    def add(self, parent: int, token: int, source: int = -1) -> int:
-        """The node for `token` under `parent`, created if new (same tokens share a node)."""
+    def add(self, parent: int, token: int, source: int = -1, conf: float | None = None, group: int = 0) -> int:
+        """The node for `token` under `parent`, created if new (same tokens share a node). A scored tree gives
+        every node a `conf`."""
         key = (parent, int(token))
         node = self._children.get(key)
         if node is not None:
@@ -39,8 +44,15 @@ class DraftTree:
         self.parents.append(parent)
         self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
         self.sources.append(source)
+        if conf is not None:
+            self.confs.append(float(conf))
+            self.groups.append(int(group))
         self._children[key] = node
         return node
+
+    @property
+    def scored(self) -> bool:
+        return bool(self.tokens) and len(self.confs) == len(self.tokens)
 
     def add_chain(self, tokens, sources=None, budget: int | None = None) -> int:
         """Insert a chain under the root (sharing existing prefixes); stops when the tree reaches `budget`.
@@ -69,9 +81,16 @@ class DraftTree:
         """The first `budget` nodes (ancestors always precede descendants, so the result is a tree)."""
         if budget >= len(self):
             return self
+        return self.subset(range(budget))
+
+    def subset(self, nodes) -> "DraftTree":
+        """A tree of the given nodes, in the given order (each node's parent must come before it)."""
         t = DraftTree()
-        for i in range(budget):
-            t.add(self.parents[i], self.tokens[i], self.sources[i])
+        new_index = {-1: -1}
+        scored = self.scored
+        for i in nodes:
+            new_index[i] = t.add(new_index[self.parents[i]], self.tokens[i], self.sources[i],
+                                 self.confs[i] if scored else None, self.groups[i] if scored else 0)
         return t
 
     def max_depth(self) -> int:
@@ -100,11 +119,26 @@ class DraftTree:
         lo = torch.finfo(dtype).min
         mask = torch.full((1 + n, cached + 1 + n), lo, dtype=dtype, device=device)
         mask[:, :cached] = 0
-        for r, visible in enumerate(self.visibility()):
-            mask[r, [cached + v for v in visible]] = 0
+        mask[:, cached:].masked_fill_(self.ancestry(device), 0)
         if window is not None:
             for r, q in enumerate(self.position_ids(cached)):
                 oldest = q - window + 1  # the first key position still inside the window
                 if oldest > 0:
                     mask[r, : min(oldest, cached)] = lo
         return mask[None, None]
+
+    def ancestry(self, device=None):
+        """Bool [1+n, 1+n]: row r sees row c (root, ancestors, itself) — built row by row from the parent's
+        row (a parent always precedes its children), so a chain of 64 costs 64 row copies, not 64 path walks."""
+        import numpy as np
+        import torch
+
+        n = len(self)
+        seen = np.zeros((1 + n, 1 + n), dtype=bool)
+        seen[:, 0] = True
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                seen[i + 1] = seen[p + 1]
+            seen[i + 1, i + 1] = True
+        out = torch.from_numpy(seen)
+        return out.to(device) if device is not None else out

@@ -34,6 +34,12 @@ class StepResult:
     forward_ms: float
     path: list[int] = field(default_factory=list)  # accepted node indices (= their ranks in the tree)
     hidden: torch.Tensor | None = None  # [1 + accepted, d] hidden states of the kept rows, if asked for
+    timings: dict = field(default_factory=dict)  # ms by part: inputs, forward, accept, trim
+
+    @property
+    def verify_ms(self) -> float:
+        """The whole step but drafting: inputs, forward, acceptance and cache trim."""
+        return sum(self.timings.values()) if self.timings else self.forward_ms
 
 
 @dataclass
@@ -108,13 +114,14 @@ class Verifier:
     @torch.inference_mode()
     def step(self, tree: DraftTree) -> StepResult:
         n = len(tree)
+        t0 = time.perf_counter()
         ids = torch.tensor([[self.root] + tree.tokens], device=self.device)
         pos = torch.tensor([tree.position_ids(self.cached)], device=self.device)
         mask = tree.attention_mask(self.cached, self.dtype, self.device)
         if self.window:  # one mask per layer type
             mask = {"full_attention": mask,
                     "sliding_attention": tree.attention_mask(self.cached, self.dtype, self.device, self.window)}
-        t = time.perf_counter()
+        t1 = time.perf_counter()
         if self._capture is not None:
             from ragspec.decoding.heads import eager_attention
 
@@ -124,11 +131,15 @@ class Verifier:
         else:
             out = self._forward(ids, pos, mask)
         logits = out.logits[0]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
         if self.sampling.greedy:
             path, bonus = self._accept_greedy(tree, logits)
         else:
             path, bonus = self._accept_sampled(tree, logits)
-        forward_ms = (time.perf_counter() - t) * 1000
+        t3 = time.perf_counter()
+        forward_ms = (t3 - t1) * 1000
         keep_rows = [0] + [i + 1 for i in path]
         if self._capture is not None and self._capture.rows is not None:
             row = self._capture.rows[keep_rows[-1]]
@@ -140,6 +151,7 @@ class Verifier:
             hidden = out.hidden_states[self.hidden_layer][0, keep_rows]
             self._append_hidden(hidden, at=self.cached - len(keep_rows))
         self.root = bonus
+        t4 = time.perf_counter()
         return StepResult(
             tokens=[tree.tokens[i] for i in path] + [bonus],
             sources=[tree.sources[i] for i in path] + [-1],
@@ -148,6 +160,8 @@ class Verifier:
             forward_ms=forward_ms,
             path=path,
             hidden=hidden,
+            timings={"inputs": (t1 - t0) * 1000, "forward": (t2 - t1) * 1000, "accept": (t3 - t2) * 1000,
+                     "trim": (t4 - t3) * 1000},
         )
 
     def _forward(self, ids, pos, mask):
@@ -203,16 +217,18 @@ class Verifier:
     def _keep(self, rows: list[int], n: int) -> None:
         """Trim the cache to the cached prefix + the kept rows of this step's 1 + n inputs."""
         base = self.cached
-        contiguous = rows == list(range(len(rows)))
+        end = base + len(rows)
+        moved = [(base + i, base + r) for i, r in enumerate(rows) if r != i]
+        if moved:  # only the kept rows that are out of place move (in place), never the cached prefix
+            dst = torch.tensor([d for d, _ in moved], device=self.device)
+            src = torch.tensor([s for _, s in moved], device=self.device)
         for layer in self.cache.layers:
-            if contiguous:
-                layer.keys = layer.keys[:, :, : base + len(rows)]
-                layer.values = layer.values[:, :, : base + len(rows)]
-            else:
-                idx = torch.tensor(list(range(base)) + [base + r for r in rows], device=layer.keys.device)
-                layer.keys = layer.keys.index_select(2, idx)
-                layer.values = layer.values.index_select(2, idx)
-        self.cached = base + len(rows)
+            if moved:
+                layer.keys[:, :, dst] = layer.keys[:, :, src]
+                layer.values[:, :, dst] = layer.values[:, :, src]
+            layer.keys = layer.keys[:, :, :end]
+            layer.values = layer.values[:, :, :end]
+        self.cached = end
 
     def fork(self) -> "Verifier":
         """A copy with its own KV cache (cloned) and the same random stream: many samples, one prefill."""

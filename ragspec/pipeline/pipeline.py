@@ -39,6 +39,8 @@ class Pipeline:
         self._model, self._tokenizer = model, tokenizer
         self._cost = None
         self._rates: list[float] | None = None  # per-rank draft acceptance learned over this pipeline's answers
+        self._calibration = None  # scored drafts' acceptance by confidence, learned likewise
+        self._memory = None  # earlier answers the suffix drafter may copy (drafting.memory)
         self._load_lock = threading.RLock()
 
     @classmethod
@@ -183,11 +185,23 @@ class Pipeline:
         model, tok = self.model, self.tokenizer
         sampling = SamplingSettings(temperature=g.temperature if temperature is None else temperature,
                                     top_k=g.top_k, top_p=g.top_p, seed=g.seed)
-        drafter = make_drafter(d.method, model, tok, **d.params)
+        params = dict(d.params)
+        if d.method == "suffix" and d.memory:
+            if self._memory is None:
+                from ragspec.decoding.memory import AnswerMemory
+
+                self._memory = AnswerMemory(d.memory)
+            params["memory"] = self._memory
+        drafter = make_drafter(d.method, model, tok, **params)
         # the adaptive budget starts from the acceptance learned on earlier answers (short answers end before
         # a fresh estimate settles); it changes speed only, never the output
-        budget = AdaptiveBudget(self._cost, rates=list(self._rates or [])) if d.budget == "auto" and self._cost else (
-            64 if d.budget == "auto" else int(d.budget))
+        if d.budget == "auto" and self._cost:
+            from ragspec.decoding.budget import ScoreCalibration
+
+            self._calibration = self._calibration or ScoreCalibration()
+            budget = AdaptiveBudget(self._cost, rates=list(self._rates or []), calibration=self._calibration)
+        else:
+            budget = 64 if d.budget == "auto" else int(d.budget)
         stops = tuple(g.stop) + tuple(stop or ())
         gen = SpeculativeGenerator(model, tok, drafter, sampling, max_new, stops, budget=budget)
         matcher = CopyMatcher(built.sources, a.min_words, a.min_chars) if a.enabled else None
@@ -209,6 +223,8 @@ class Pipeline:
                 yield CitationEvent(c)
         if isinstance(budget, AdaptiveBudget):
             self._rates = list(budget.rates)
+        if self._memory is not None and gen.stats.finish_reason != "stop":
+            self._memory.add(built.ids, gen.tokens)
         s = gen.stats
         stats = AnswerStats(
             retrieval_ms=retrieval_ms, prompt_tokens=s.prompt_tokens, prefill_ms=s.prefill_ms, decode_ms=s.decode_ms,

@@ -5,22 +5,25 @@ from __future__ import annotations
 import inspect
 
 from ragspec.decoding.drafters.base import DraftState, Drafter, NoDraft, Segment
+from ragspec.decoding.drafters.oracle import OracleDrafter
 from ragspec.decoding.drafters.pld import PromptLookupDrafter
 from ragspec.decoding.drafters.pldplus import PLDPlusAttentionDrafter, PLDPlusHiddenDrafter, default_layer
+from ragspec.decoding.drafters.suffix import SuffixDrafter
 from ragspec.decoding.drafters.trie import NgramTrieDrafter
 
-METHODS = ("none", "pld", "trie", "pldplus-h", "pldplus-a")
+METHODS = ("none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a")
 
 
-CLASSES = {"pld": PromptLookupDrafter, "trie": NgramTrieDrafter, "pldplus-h": PLDPlusHiddenDrafter,
-           "pldplus-a": PLDPlusAttentionDrafter}
+CLASSES = {"pld": PromptLookupDrafter, "trie": NgramTrieDrafter, "suffix": SuffixDrafter,
+           "pldplus-h": PLDPlusHiddenDrafter, "pldplus-a": PLDPlusAttentionDrafter}
 EXTRA_PARAMS = {"pldplus-a": ("top",)}  # settings that are not constructor arguments
 
 
 def check_params(name: str, params: dict) -> None:
     """ValueError naming the first parameter `name`'s drafter does not take."""
     cls = CLASSES.get(name)
-    allowed = [] if cls is None else [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    internal = ("self", "memory")  # memory: the pipeline's own object, not a spec setting
+    allowed = [] if cls is None else [p for p in inspect.signature(cls.__init__).parameters if p not in internal]
     allowed += EXTRA_PARAMS.get(name, ())
     for key in params:
         if key not in allowed:
@@ -39,6 +42,10 @@ def make_drafter(name: str, model=None, tokenizer=None, **params) -> Drafter:
         return PromptLookupDrafter(**params)
     if name == "trie":
         return NgramTrieDrafter(**params)
+    if name == "suffix":
+        return SuffixDrafter(**params)
+    if name == "oracle":  # benchmarks only: it needs the reference output (set `.reference` per prompt)
+        return OracleDrafter(**params)
     if name == "pldplus-h":
         params.setdefault("layer", default_layer(model.config))
         return PLDPlusHiddenDrafter(**params)
@@ -54,5 +61,5 @@ def make_drafter(name: str, model=None, tokenizer=None, **params) -> Drafter:
     raise ValueError(f"unknown drafting method '{name}' (one of {', '.join(METHODS)})")
 
 
-__all__ = ["DraftState", "Drafter", "METHODS", "NoDraft", "NgramTrieDrafter", "PLDPlusAttentionDrafter", "PLDPlusHiddenDrafter",
-           "PromptLookupDrafter", "Segment", "check_params", "make_drafter"]
+__all__ = ["DraftState", "Drafter", "METHODS", "NoDraft", "NgramTrieDrafter", "OracleDrafter", "PLDPlusAttentionDrafter",
+           "PLDPlusHiddenDrafter", "PromptLookupDrafter", "Segment", "SuffixDrafter", "check_params", "make_drafter"]

@@ -8,6 +8,8 @@ from typing import Protocol, runtime_checkable
 
 from ragspec.decoding.tree import DraftTree
 
+EARLIER_ANSWER = -2  # source of a token drafted from an earlier answer (memory), not from the context
+
 
 @dataclass
 class Segment:
