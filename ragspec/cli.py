@@ -25,7 +25,7 @@ app = typer.Typer(
 def _fail(message: str, code: int = 2):
     from ragspec.console import one_line
 
-    console.print(f"[bold red]error:[/] {one_line(message)}", soft_wrap=True)
+    console.print(f"[bold red]error:[/] {one_line(message)}", soft_wrap=True, emoji=False)
     raise typer.Exit(code)
 
 

@@ -12,7 +12,7 @@ console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 def one_line(message: str) -> str:
     """`message` as one printable line: control characters (a newline in a file name) shown escaped, and
-    square brackets escaped so rich never reads a file name as markup."""
+    square brackets escaped so rich never reads a file name as markup (callers print with emoji=False)."""
     from rich.markup import escape
 
     shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
@@ -21,7 +21,7 @@ def one_line(message: str) -> str:
 
 def warn(message: str) -> None:
     """One warning line (plain text: never markup, never more than one line)."""
-    console.print(f"[yellow]warning:[/] {one_line(message)}", soft_wrap=True)
+    console.print(f"[yellow]warning:[/] {one_line(message)}", soft_wrap=True, emoji=False)
 
 
 def progress() -> Progress:
