@@ -175,8 +175,9 @@ def build_index(
             )
             version = layout.publish(tmp, target)
         except BaseException as exc:
+            full = _disk_full(exc, target.parent)
             shutil.rmtree(tmp, ignore_errors=True)  # the previous version is untouched; leave no half build
-            if _disk_full(exc):
+            if full:
                 raise RagspecError(
                     f"no space left on the device while writing {target}; the previous index is unchanged: "
                     "free some space and run `ragspec index` again"
@@ -316,13 +317,21 @@ def _open_previous(target: Path) -> Index | None:
     return None
 
 
-def _disk_full(exc: BaseException) -> bool:
-    """ENOSPC as each writer reports it: OSError (numpy, json, bm25s), sqlite3 and FAISS messages."""
+def _disk_full(exc: BaseException, folder: Path) -> bool:
+    """ENOSPC as each writer reports it: an errno (json, bm25s), a message (sqlite3, FAISS), or a short write
+    with no errno (numpy) on a device that is now full."""
+    if not isinstance(exc, Exception):
+        return False
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     text = str(exc).lower()
-    return isinstance(exc, Exception) and ("no space left" in text or "disk is full" in text
-                                           or "disk quota" in text)
+    if "no space left" in text or "disk is full" in text or "disk quota" in text:
+        return True
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    return isinstance(exc, (OSError, RuntimeError)) and st.f_bavail * st.f_frsize < 1 << 20
 
 
 def _compatible(prev_manifest: dict, s: IndexSettings) -> bool:
