@@ -168,15 +168,17 @@ def build_index(
             summary.seconds = time.perf_counter() - t0
             return summary
 
-        tmp = layout.new_tmp_dir(target)
+        tmp = None
         try:
+            tmp = layout.new_tmp_dir(target)
             summary_out = _write_version(
                 tmp, root, root_given, files, keep, new_docs, prev, settings, embedder, summary, show_progress
             )
             version = layout.publish(tmp, target)
         except BaseException as exc:
             full = _disk_full(exc, target.parent)
-            shutil.rmtree(tmp, ignore_errors=True)  # the previous version is untouched; leave no half build
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)  # the previous version is untouched; leave no half build
             if full:
                 raise RagspecError(
                     f"no space left on the device while writing {target}; the previous index is unchanged: "
