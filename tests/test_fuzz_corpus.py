@@ -61,8 +61,9 @@ def contents(draw, suffix: str) -> bytes:
     if kind == "empty":
         return draw(st.sampled_from([b"", b"   \n\n", b"\r\n"]))
     if kind == "huge-line":
-        # long in characters, few in tokens (one over-long word is one [UNK] token): the embedder stays fast
-        unit = draw(st.sampled_from(["x", "é", "日", "word " * 50 + "\r\n"]))
+        # long in characters, few in tokens (an over-long word is one [UNK] token; CJK would be one token per
+        # character): the embedder stays fast
+        unit = draw(st.sampled_from(["x", "é", "€", "word " * 50 + "\r\n"]))
         return (unit * draw(st.integers(1000, 100_000) if len(unit) < 9 else st.integers(1, 6))).encode()
     if kind == "structured" and suffix in (".json", ".jsonl"):
         if suffix == ".jsonl":
