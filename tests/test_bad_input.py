@@ -16,15 +16,15 @@ SMALL = IndexSettings(chunk_tokens=48, overlap=8)
 
 
 def test_repeated_keys_are_kept_under_new_keys_with_a_problem_line():
-    lines = [{"_id": "1", "text": "alpha"}, {"_id": "1", "text": "beta"}, {"_id": "1#2", "text": "gamma"},
+    lines = [{"_id": "1", "text": "alpha"}, {"_id": "1", "text": "beta"}, {"_id": "1@line2", "text": "gamma"},
              {"_id": "1", "text": "delta"}]
     records, problems = json_records("\n".join(json.dumps(x) for x in lines), ".jsonl")
-    assert [r.key for r in records] == ["1", "1#2", "1#2#3", "1#4"]
+    assert [r.key for r in records] == ["1", "1@line2", "1@line2@line3", "1@line4"]
     assert [r.text for r in records] == ["alpha", "beta", "gamma", "delta"]
-    assert problems[0] == "line 2: duplicate key '1' (first on line 1); kept as '1#2'"
+    assert problems[0] == "line 2: duplicate key '1' (first on line 1); kept as '1@line2'"
     assert len(problems) == 3
     records, problems = json_records(json.dumps(lines[:2]), ".json")
-    assert [r.key for r in records] == ["1", "1#2"] and problems[0].startswith("record 2: duplicate key '1'")
+    assert [r.key for r in records] == ["1", "1@record2"] and problems[0].startswith("record 2: duplicate key '1'")
 
 
 def test_index_with_repeated_keys_completes(tmp_path, embedder):
@@ -33,8 +33,8 @@ def test_index_with_repeated_keys_completes(tmp_path, embedder):
     with console.capture() as cap:
         s = build_index(corpus, tmp_path / "idx", SMALL, embedder=embedder, show_progress=False)
     assert s.documents == 2
-    assert "c.jsonl: line 2: duplicate key '1' (first on line 1); kept as '1#2'" in cap.get()
-    assert sorted(d.key for d in Index(tmp_path / "idx").store.documents()) == ["1", "1#2"]
+    assert "c.jsonl: line 2: duplicate key '1' (first on line 1); kept as '1@line2'" in cap.get()
+    assert sorted(d.key for d in Index(tmp_path / "idx").store.documents()) == ["1", "1@line2"]
 
 
 def test_odd_file_names_give_one_plain_warning_line(tmp_path):

@@ -117,7 +117,7 @@ def json_records(text: str, suffix: str) -> tuple[list[Record], list[str]]:
         if not full.strip():
             continue
         if key in first_seen:
-            unique = _unique_key(key, n, first_seen)
+            unique = _unique_key(key, f"{where}{n}", first_seen)
             problems.append(f"{where} {n}: duplicate key {key!r} (first on {where} {first_seen[key]}); "
                             f"kept as {unique!r}")
             key = unique
@@ -126,12 +126,12 @@ def json_records(text: str, suffix: str) -> tuple[list[Record], list[str]]:
     return records, problems
 
 
-def _unique_key(key: str, n: int, taken: dict[str, int]) -> str:
-    """`key#n` for a repeated key found at line/record n (`key#n.2`, … if that is taken too): the store keys
+def _unique_key(key: str, at: str, taken: dict[str, int]) -> str:
+    """`key@line7` for a repeated key found on line 7 (`key@line7.2`, … if that is taken too): the store keys
     documents by (path, key), so a repeat is kept under a new key instead of aborting the run."""
-    candidate, i = f"{key}#{n}", 2
+    candidate, i = f"{key}@{at}", 2
     while candidate in taken:
-        candidate, i = f"{key}#{n}.{i}", i + 1
+        candidate, i = f"{key}@{at}.{i}", i + 1
     return candidate
 
 
