@@ -23,7 +23,9 @@ app = typer.Typer(
 
 
 def _fail(message: str, code: int = 2):
-    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    from ragspec.console import one_line
+
+    console.print(f"[bold red]error:[/] {one_line(message)}", soft_wrap=True, emoji=False)
     raise typer.Exit(code)
 
 

@@ -10,9 +10,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+def one_line(message: str) -> str:
+    """`message` as one printable line: control characters (a newline in a file name) shown escaped, and
+    square brackets escaped so rich never reads a file name as markup (callers print with emoji=False)."""
+    from rich.markup import escape
+
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+    return escape(shown)
+
+
 def warn(message: str) -> None:
-    """One warning line."""
-    console.print(f"[yellow]warning:[/] {message}", soft_wrap=True)
+    """One warning line (plain text: never markup, never more than one line)."""
+    console.print(f"[yellow]warning:[/] {one_line(message)}", soft_wrap=True, emoji=False)
 
 
 def progress() -> Progress:

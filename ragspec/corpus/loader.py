@@ -80,6 +80,9 @@ def walk(root: Path, report: ScanReport) -> list[SourceFile]:
             if p.is_symlink() and not _inside(p, real_root):
                 report.skipped.append((rel, "symlink out of the corpus root"))
                 continue
+            if not _utf8(rel):
+                report.skipped.append((rel, "file name is not valid UTF-8 (rename the file)"))
+                continue
             if suffix_of(name) not in SUPPORTED:
                 report.unsupported[suffix_of(name) or "(no suffix)"] += 1
                 continue
@@ -109,6 +112,9 @@ def read_file(src: SourceFile, report: ScanReport) -> list[Document]:
     except SkipFile as exc:
         report.skipped.append((src.rel, str(exc)))
         return []
+    except Exception as exc:  # a parser bug on odd input (malformed HTML, …) loses this file, not the run
+        report.skipped.append((src.rel, f"unreadable ({type(exc).__name__}: {exc})"))
+        return []
     if encoding not in ("utf-8", "pdf"):
         report.decoded.append((src.rel, encoding))
     for p in problems:
@@ -125,6 +131,15 @@ def iter_documents(root: Path, report: ScanReport | None = None) -> Iterator[Doc
 def _document(src: SourceFile, r: Record, digest: str, encoding: str) -> Document:
     title = r.title or title_of(r.text, Path(src.rel).name)
     return Document(src.rel, r.key, title, r.text, digest, src.size, src.mtime, encoding)
+
+
+def _utf8(name: str) -> bool:
+    """False for names holding undecodable bytes (surrogate escapes), which SQLite cannot store."""
+    try:
+        name.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _inside(p: Path, real_root: Path) -> bool:

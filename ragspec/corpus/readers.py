@@ -101,6 +101,8 @@ def json_records(text: str, suffix: str) -> tuple[list[Record], list[str]]:
         items = doc if isinstance(doc, list) else [doc]
         raw = list(enumerate(items, 1))
     records: list[Record] = []
+    first_seen: dict[str, int] = {}  # key -> line (JSONL) or record number (JSON) where it first appeared
+    where = "line" if suffix == ".jsonl" else "record"
     for n, obj in raw:
         if not isinstance(obj, dict):
             problems.append(f"record {n}: not an object")
@@ -112,9 +114,25 @@ def json_records(text: str, suffix: str) -> tuple[list[Record], list[str]]:
         key = next((str(obj[f]) for f in ID_FIELDS if f in obj), str(n))
         title = obj.get("title") if isinstance(obj.get("title"), str) else ""
         full = f"{title}\n\n{body}" if title and body else (title or body)
-        if full.strip():
-            records.append(Record(key=key, title=title, text=full))
+        if not full.strip():
+            continue
+        if key in first_seen:
+            unique = _unique_key(key, f"{where}{n}", first_seen)
+            problems.append(f"{where} {n}: duplicate key {key!r} (first on {where} {first_seen[key]}); "
+                            f"kept as {unique!r}")
+            key = unique
+        first_seen[key] = n
+        records.append(Record(key=key, title=title, text=full))
     return records, problems
+
+
+def _unique_key(key: str, at: str, taken: dict[str, int]) -> str:
+    """`key@line7` for a repeated key found on line 7 (`key@line7.2`, … if that is taken too): the store keys
+    documents by (path, key), so a repeat is kept under a new key instead of aborting the run."""
+    candidate, i = f"{key}@{at}", 2
+    while candidate in taken:
+        candidate, i = f"{key}@{at}.{i}", i + 1
+    return candidate
 
 
 def pdf_text(data: bytes) -> str:

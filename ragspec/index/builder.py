@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +16,7 @@ from ragspec.corpus.chunker import ChunkerSettings, chunk_text
 from ragspec.corpus.loader import Document, ScanReport, SourceFile, read_file, walk
 from ragspec.errors import RagspecError
 from ragspec.index import faiss_index, layout, manifest
+from ragspec.index.integrity import IndexDamaged
 from ragspec.index.reader import Index
 from ragspec.index.store import StoreWriter
 from ragspec.settings import IndexSettings
@@ -165,11 +168,23 @@ def build_index(
             summary.seconds = time.perf_counter() - t0
             return summary
 
-        tmp = layout.new_tmp_dir(target)
-        summary_out = _write_version(
-            tmp, root, root_given, files, keep, new_docs, prev, settings, embedder, summary, show_progress
-        )
-        version = layout.publish(tmp, target)
+        tmp = None
+        try:
+            tmp = layout.new_tmp_dir(target)
+            summary_out = _write_version(
+                tmp, root, root_given, files, keep, new_docs, prev, settings, embedder, summary, show_progress
+            )
+            version = layout.publish(tmp, target)
+        except BaseException as exc:
+            full = _disk_full(exc, target.parent)
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)  # the previous version is untouched; leave no half build
+            if full:
+                raise RagspecError(
+                    f"no space left on the device while writing {target}; the previous index is unchanged: "
+                    "free some space and run `ragspec index` again"
+                ) from None
+            raise
         layout.prune(target)
         summary_out.bytes = layout.dir_bytes(version)
         summary_out.seconds = time.perf_counter() - t0
@@ -297,9 +312,28 @@ def _open_previous(target: Path) -> Index | None:
         return None
     try:
         return Index(target)
+    except IndexDamaged as exc:
+        warn(f"previous index at {target} is damaged ({exc.detail}); rebuilding it from scratch")
     except RagspecError as exc:
         warn(f"previous index at {target} is unusable ({exc}); building from scratch")
-        return None
+    return None
+
+
+def _disk_full(exc: BaseException, folder: Path) -> bool:
+    """ENOSPC as each writer reports it: an errno (json, bm25s), a message (sqlite3, FAISS), or a short write
+    with no errno (numpy) on a device that is now full."""
+    if not isinstance(exc, Exception):
+        return False
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc).lower()
+    if "no space left" in text or "disk is full" in text or "disk quota" in text:
+        return True
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    return isinstance(exc, (OSError, RuntimeError)) and st.f_bavail * st.f_frsize < 1 << 20
 
 
 def _compatible(prev_manifest: dict, s: IndexSettings) -> bool:

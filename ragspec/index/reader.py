@@ -1,4 +1,5 @@
-"""Open a built index: manifest, SQLite store, FAISS index and BM25, checked against the manifest."""
+"""Open a built index: manifest, SQLite store, FAISS index and BM25, each file checked against the manifest
+before it is read (`integrity`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import threading
 from pathlib import Path
 
 from ragspec.errors import RagspecError
-from ragspec.index import faiss_index, manifest
+from ragspec.index import faiss_index, integrity, manifest
 from ragspec.index.store import Store
 
 
@@ -20,17 +21,9 @@ class Index:
         if not (self.path.exists() or self.path.is_symlink()):
             raise RagspecError(f"no index at {self.path}; build one with `ragspec index CORPUS`")
         self.folder = self.path.resolve()
-        self.manifest = manifest.load(self.folder)
-        for name, meta in self.manifest.get("files", {}).items():
-            p = self.folder / name
-            if not p.is_file() or p.stat().st_size != meta["size"]:
-                raise RagspecError(f"index {self.path} is damaged ({name} is missing or truncated); rebuild it")
-        if verify:
-            from ragspec.models.registry import sha256_file
-
-            for name, meta in self.manifest["files"].items():
-                if sha256_file(self.folder / name) != meta["sha256"]:
-                    raise RagspecError(f"index {self.path} is damaged ({name} fails its sha256); rebuild it")
+        self.manifest = manifest.load(self.folder, str(self.path))
+        # every file is checked before any is read: size always, sha256 once per process per file version
+        integrity.check(self.folder, self.manifest["files"], str(self.path), rehash=verify)
         self.store = Store(self.folder / "store.sqlite")
         self._faiss = None
         self._bm25 = None
