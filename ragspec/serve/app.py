@@ -43,9 +43,10 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 headers: dict | None = None):
+                 headers: dict | None = None, param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers
+        self.param = param
 
 
 class _TooLarge(Exception):
@@ -107,6 +108,7 @@ class Server:
         self.index_label = index_label
         self.capacity = 1 + self.settings.queue_size
         self.admitted = 0
+        self.cancelled = 0  # generations stopped early (client gone, timeout)
         self._lock = threading.Lock()
         self.executor = ThreadPoolExecutor(max_workers=self.capacity, thread_name_prefix="ragspec-gen")
         if self.settings.prefix_cache and pipeline.prefix_cache is None:
@@ -143,7 +145,11 @@ class Server:
             it = None
             try:
                 it = make()
-                while not cancel.is_set():
+                while True:
+                    if cancel.is_set():
+                        with self._lock:
+                            self.cancelled += 1
+                        break
                     try:
                         item = next(it)
                     except StopIteration:
@@ -245,7 +251,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):
-        return JSONResponse(error_body(exc.message, exc.type, exc.code), status_code=exc.status, headers=exc.headers)
+        return JSONResponse(error_body(exc.message, exc.type, exc.code, exc.param), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
@@ -280,6 +286,7 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/healthz")
     async def healthz():
         return {"status": "ok", "model": server.model_name, "queued": server.admitted, "capacity": server.capacity,
+                "cancelled": server.cancelled,
                 "auth": server.api_key is not None}
 
     # -- models, documents, search ---------------------------------------------------------------------------
@@ -289,14 +296,15 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/v1/documents/{document_id}", dependencies=v1)
     async def document(document_id: int):
-        store = server.pipe.retriever.index.store
+        index = server.pipe.retriever.index
 
         def read():
             try:
-                row, text = store.document_full(document_id)
+                row, text = index.store.document_full(document_id)
             except (KeyError, TypeError):
                 return None
-            return {"id": row.id, "path": row.path, "key": row.key, "title": row.title, "text": text}
+            return {"id": row.id, "path": index.source_path(row.path), "key": row.key, "title": row.title,
+                    "text": text}
 
         doc = await asyncio.to_thread(read)
         if doc is None:
