@@ -271,3 +271,27 @@ def test_serve_spec_section_is_validated():
     assert load_spec({"serve": {"queue_size": 3}}).serve.queue_size == 3
     with pytest.raises(RagspecError, match="unknown key 'serve.queue'"):
         load_spec({"serve": {"queue": 3}})
+
+
+def test_small_load_every_answer_identical_to_asked_alone(index_path, embedder, smol):
+    """examples/serve_load.py, cut down: 4 clients, 8 requests (the full run is 16 and 64)."""
+    import importlib.util
+
+    from ragspec.serve.app import BackgroundServer, Server, create_app
+    from ragspec.settings import ServeSettings
+
+    path = __import__("pathlib").Path(__file__).resolve().parent.parent / "examples" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("serve_load", path)
+    load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load)
+    pipe = make_pipeline(index_path, embedder, *smol)
+    srv = BackgroundServer(create_app(Server(pipe, ServeSettings(queue_size=8), model_name=MODEL)))
+    try:
+        report = load.run_load(srv.url, MODEL, load.DEFAULT_QUESTIONS, clients=4, requests=8, max_tokens=24)
+    finally:
+        srv.stop()
+    assert report["errors"] == 0, report["error_samples"]
+    assert report["completed"] == report["identical"] == 8
+    assert report["latency_p95_s"] >= report["latency_p50_s"] > 0 and report["requests_per_s"] > 0
+    with pytest.raises(SystemExit, match="loopback"):
+        load.run_load("http://10.0.0.1:8000", MODEL, ["q"])

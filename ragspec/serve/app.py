@@ -474,3 +474,34 @@ def check_bind(host: str, api_key: str | None) -> None:
     if not loopback and not api_key:
         raise RagspecError(f"binding {host} (not loopback) needs --api-key: every /v1 request must then carry "
                            "Authorization: Bearer KEY")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class BackgroundServer:
+    """uvicorn serving `app` on 127.0.0.1 (a free port by default) in a daemon thread: for tests, examples and
+    notebooks. `stop()` shuts it down."""
+
+    def __init__(self, app, port: int | None = None, host: str = "127.0.0.1"):
+        import uvicorn
+
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
