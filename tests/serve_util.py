@@ -17,6 +17,7 @@ LiveServer = BackgroundServer
 
 def build_test_index(root, embedder):
     from conftest import write_corpus
+
     from ragspec.index.builder import build_index
     from ragspec.settings import IndexSettings
 

@@ -7,7 +7,6 @@ with the same answer."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import httpx
@@ -16,7 +15,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from serve_util import SPEC, LiveServer, build_test_index, make_pipeline  # noqa: E402
+from serve_util import SPEC, LiveServer, build_test_index, make_pipeline
 
 KEY = "test-key-123"
 MODEL = SPEC["generator"]["model"]

@@ -49,7 +49,7 @@ class PrefixStore:
     def __init__(self, capacity: int = 4, min_tokens: int = 1):
         self.capacity = capacity
         self.min_tokens = min_tokens
-        self.entries: "OrderedDict[int, PrefixCache]" = OrderedDict()
+        self.entries: OrderedDict[int, PrefixCache] = OrderedDict()
         self._next = 0
         self._lock = threading.Lock()
         self.last_reused = 0  # tokens reused by the latest lookup (0: prefilled from nothing)

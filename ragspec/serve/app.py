@@ -20,9 +20,9 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterator
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -174,10 +174,7 @@ class Server:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError
-                try:
-                    item = await asyncio.wait_for(queue.get(), left)
-                except asyncio.TimeoutError:
-                    raise TimeoutError from None
+                item = await asyncio.wait_for(queue.get(), left)  # TimeoutError past the deadline
                 if item is done:
                     return
                 if isinstance(item, BaseException):
