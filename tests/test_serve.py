@@ -294,3 +294,20 @@ def test_small_load_every_answer_identical_to_asked_alone(index_path, embedder, 
     assert report["latency_p95_s"] >= report["latency_p50_s"] > 0 and report["requests_per_s"] > 0
     with pytest.raises(SystemExit, match="loopback"):
         load.run_load("http://10.0.0.1:8000", MODEL, ["q"])
+
+
+def test_request_past_its_timeout_gets_504_and_stops(index_path, embedder, smol):
+    from ragspec.serve.app import BackgroundServer, Server, create_app
+    from ragspec.settings import ServeSettings
+
+    server = Server(make_pipeline(index_path, embedder, *smol), ServeSettings(timeout_s=0.05, prefix_cache=0),
+                    model_name=MODEL)
+    srv = BackgroundServer(create_app(server))
+    try:
+        r = httpx.post(f"{srv.url}/v1/ask", json={"question": QUESTIONS[0], "max_tokens": 40}, timeout=60)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        events = httpx.post(f"{srv.url}/v1/ask", json={"question": QUESTIONS[0], "stream": True}, timeout=60).text
+        assert "event: error" in events and "event: done" not in events
+        assert wait_idle(srv.url)["queued"] == 0 and server.cancelled == 2
+    finally:
+        srv.stop()
