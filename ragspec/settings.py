@@ -99,3 +99,15 @@ class AttributionSettings(Strict):
     enabled: bool = Field(True, description="cite the answer's spans copied from the sources")
     min_words: int = Field(3, ge=1, description="a copied span needs this many words …")
     min_chars: int = Field(10, ge=1, description="… or this many characters (one rare long word)")
+
+
+class ServeSettings(Strict):
+    queue_size: int = Field(16, ge=0, description="requests that may wait for the model besides the one generating; "
+                                                  "more get 503 with Retry-After")
+    timeout_s: float = Field(300.0, gt=0, description="per-request limit (waiting included); then 504 / an error event")
+    max_request_bytes: int = Field(1_000_000, ge=1024, description="request bodies over this get 413")
+    max_messages: int = Field(64, ge=1, description="chat messages per request")
+    max_tokens: int = Field(1024, ge=1, description="the most new tokens a request may ask for")
+    retry_after_s: int = Field(2, ge=1, description="the Retry-After of a 503")
+    prefix_cache: int = Field(4, ge=0, description="KV caches of recent generations kept for prefix reuse (0: off)")
+    cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS (empty: CORS off)")

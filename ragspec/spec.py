@@ -1,6 +1,6 @@
 """Pipeline specs (`pipelines/*.yaml`): pydantic-validated; an unknown key is an error naming that key.
 
-Sections: index (how to build), retriever (what to search), prompt, generator, drafting, attribution.
+Sections: index (how to build), retriever (what to search), prompt, generator, drafting, attribution, serve.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pydantic import Field, ValidationError
 
 from ragspec.errors import RagspecError
 from ragspec.settings import (AttributionSettings, DraftingSettings, GeneratorSettings, IndexSettings,
-                              PromptSettings, RetrieverSettings, Strict)
+                              PromptSettings, RetrieverSettings, ServeSettings, Strict)
 
 
 class PipelineSpec(Strict):
@@ -23,6 +23,7 @@ class PipelineSpec(Strict):
     generator: GeneratorSettings = Field(default_factory=GeneratorSettings)
     drafting: DraftingSettings = Field(default_factory=DraftingSettings)
     attribution: AttributionSettings = Field(default_factory=AttributionSettings)
+    serve: ServeSettings = Field(default_factory=ServeSettings)
 
 
 def describe_error(exc: ValidationError, source: str) -> str:

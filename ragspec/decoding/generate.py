@@ -76,18 +76,21 @@ class SpeculativeGenerator:
     def generate(self, prompt_ids: list[int], segments: list[Segment] | None = None) -> str:
         return "".join(d.text for d in self.stream(prompt_ids, segments))
 
-    def stream(self, prompt_ids: list[int], segments: list[Segment] | None = None) -> Iterator[Delta]:
+    def stream(self, prompt_ids: list[int], segments: list[Segment] | None = None, prefix=None) -> Iterator[Delta]:
+        """`prefix`: a `prefix_cache.PrefixStore` to prefill from and to leave this generation's cache in."""
         stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.tokens = []
         heads = tuple(getattr(self.drafter, "attention_heads", ()) or ())
         verifier = Verifier(self.model, self.sampling, hidden_layer=self.drafter.hidden_layer, attention_heads=heads)
         try:
-            yield from self._loop(verifier, prompt_ids, segments, stats, heads)
+            yield from self._loop(verifier, prompt_ids, segments, stats, heads, prefix)
+            if prefix is not None:
+                prefix.save(list(prompt_ids) + self.tokens, verifier.cache, verifier.cached)
         finally:
             verifier.close()
 
-    def _loop(self, verifier, prompt_ids, segments, stats, heads) -> Iterator[Delta]:
-        stats.prefill_ms = verifier.prefill(list(prompt_ids))
+    def _loop(self, verifier, prompt_ids, segments, stats, heads, prefix=None) -> Iterator[Delta]:
+        stats.prefill_ms = verifier.prefill(list(prompt_ids), prefix)
         state = DraftState(tokens=list(prompt_ids), prompt_len=len(prompt_ids), segments=segments or [])
         t0 = time.perf_counter()
         self.drafter.prepare(state)

@@ -66,8 +66,9 @@ class Verifier:
 
     # -- prefill -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int]) -> float:
-        """Cache every prompt token but the last, which becomes the first step's root. Returns ms."""
+    def prefill(self, prompt_ids: list[int], prefix=None) -> float:
+        """Cache every prompt token but the last, which becomes the first step's root. Returns ms.
+        `prefix`: a `prefix_cache.PrefixStore`; the longest cached prefix of the prompt is reused, not recomputed."""
         from transformers import DynamicCache
 
         if not prompt_ids:
@@ -83,8 +84,11 @@ class Verifier:
         # with attention heads to read, the last cached token runs alone with eager attention (its row is
         # what the first step ranks by); the rest of the prompt keeps the fast attention kernel
         split = len(prompt_ids) - 2 if self.attention_heads and len(prompt_ids) > 2 else len(prompt_ids) - 1
-        if split > 0:
-            ids = torch.tensor([prompt_ids[:split]], device=self.device)
+        if prefix is not None and self.hidden_layer is None and not self.attention_heads:
+            cache, self.cached = prefix.lookup(prompt_ids, split)
+            self.cache = cache if cache is not None else self.cache
+        if split > self.cached:
+            ids = torch.tensor([prompt_ids[self.cached : split]], device=self.device)
             out = self.model(
                 input_ids=ids,
                 past_key_values=self.cache,

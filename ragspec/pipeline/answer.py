@@ -24,6 +24,8 @@ class AnswerStats:
     finish_reason: str = ""
     drafting: str = ""
     dropped_sources: int = 0
+    ttft_ms: float = 0.0  # from the call to the first answer text (retrieval and prefill included)
+    prefix_reused_tokens: int = 0  # prompt tokens whose KV cache came from an earlier generation
 
     def as_json(self) -> dict:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -31,7 +33,7 @@ class AnswerStats:
 
 def source_json(s: SourceText) -> dict:
     return {"source": s.number, "path": s.path, "start": s.start, "end": s.end, "score": round(s.score, 6),
-            "key": s.key, "title": s.title, "chunk_id": s.chunk_id, "lines": list(s.lines) if s.lines else None,
+            "key": s.key, "title": s.title, "chunk_id": s.chunk_id, "document_id": s.document_id, "lines": list(s.lines) if s.lines else None,
             "text": s.text}
 
 

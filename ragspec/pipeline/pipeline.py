@@ -41,6 +41,7 @@ class Pipeline:
         self._rates: list[float] | None = None  # per-rank draft acceptance learned over this pipeline's answers
         self._calibration = None  # scored drafts' acceptance by confidence, learned likewise
         self._memory = None  # earlier answers the suffix drafter may copy (drafting.memory)
+        self.prefix_cache = None  # a decoding.prefix_cache.PrefixStore: follow-ups reuse the KV of shared prefixes
         self._load_lock = threading.RLock()
 
     @classmethod
@@ -131,12 +132,24 @@ class Pipeline:
         return out, ms
 
     # -- answering -------------------------------------------------------------------------------------------
+    def enable_prefix_cache(self, capacity: int = 4) -> "Pipeline":
+        """Keep the KV caches of the last `capacity` generations; a prompt that starts with one of them (a
+        follow-up turn over the same sources) prefills only the rest. Greedy output stays the same."""
+        from ragspec.decoding.prefix_cache import PrefixStore
+
+        self.prefix_cache = PrefixStore(capacity) if capacity > 0 else None
+        return self
+
     def stream(self, question: str, *, documents: "Iterable[str | SourceText] | None" = None,
                max_new_tokens: int | None = None, stop: "Iterable[str] | None" = None,
-               temperature: float | None = None) -> Iterator[Event]:
+               temperature: float | None = None, history: "list[dict] | None" = None,
+               instructions: str | None = None) -> Iterator[Event]:
         """Events: SourcesEvent, then TextEvent and CitationEvent as they happen, then DoneEvent(answer).
 
-        `documents` replaces retrieval with the given passages (strings or SourceText)."""
+        `documents` replaces retrieval with the given passages (strings or SourceText). `history`: earlier turns
+        of a conversation ({"role": "user"|"assistant", "content"}, first a user turn); the sources go in the
+        first user turn. `instructions` are appended to the system instruction."""
+        t_start = time.perf_counter()
         if not question or not question.strip():
             raise RagspecError("the question is empty")
         if documents is None:
@@ -145,8 +158,8 @@ class Pipeline:
             sources, retrieval_ms = as_sources(documents), 0.0
         max_new = max_new_tokens or self.spec.generator.max_new_tokens
         with self._gen_lock:
-            built = self.prompt_builder(max_new).build(question, sources)
-        yield from self._generate(built, question, retrieval_ms, max_new, stop, temperature)
+            built = self.prompt_builder(max_new).build(question, sources, history, instructions)
+        yield from self._generate(built, question, retrieval_ms, max_new, stop, temperature, t_start)
 
     def ask(self, question: str, **kwargs) -> Answer:
         for event in self.stream(question, **kwargs):
@@ -176,7 +189,7 @@ class Pipeline:
         yield from self._generate(built, messages[-1]["content"] if messages else "", 0.0, max_new, stop, temperature)
 
     def _generate(self, built: BuiltPrompt, question: str, retrieval_ms: float, max_new: int, stop,
-                  temperature: float | None) -> Iterator[Event]:
+                  temperature: float | None, t_start: float | None = None) -> Iterator[Event]:
         from ragspec.decoding.budget import AdaptiveBudget
         from ragspec.decoding.generate import SpeculativeGenerator
 
@@ -206,8 +219,17 @@ class Pipeline:
         gen = SpeculativeGenerator(model, tok, drafter, sampling, max_new, stops, budget=budget)
         matcher = CopyMatcher(built.sources, a.min_words, a.min_chars) if a.enabled else None
         parts: list[str] = []
+        t_start = time.perf_counter() if t_start is None else t_start
+        ttft_ms, reused = 0.0, 0
         with self._gen_lock:
-            for delta in gen.stream(built.ids, built.segments):
+            store = self.prefix_cache
+            if store is not None:
+                store.last_reused = 0
+            for delta in gen.stream(built.ids, built.segments, prefix=store):
+                if not parts and store is not None:  # the first delta comes right after the prefill
+                    reused = store.last_reused
+                if not ttft_ms and delta.text:
+                    ttft_ms = (time.perf_counter() - t_start) * 1000
                 if matcher is not None:
                     for pos in delta.sources:
                         loc = built.locate(pos) if pos >= 0 else None
@@ -232,7 +254,7 @@ class Pipeline:
             verify_ms=s.verify_ms, finish_reason=s.finish_reason, drafting=drafter.name,
             decode_tokens_per_s=s.new_tokens / (s.decode_ms / 1000) if s.decode_ms else 0.0,
             speedup_estimate=(s.new_tokens * self._cost.time(1) / s.decode_ms) if self._cost and s.decode_ms else None,
-            dropped_sources=built.dropped,
+            dropped_sources=built.dropped, ttft_ms=ttft_ms, prefix_reused_tokens=reused,
         )
         answer = Answer(question, "".join(parts), list(matcher.citations) if matcher else [], built.sources, stats,
                         list(built.warnings))

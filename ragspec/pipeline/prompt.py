@@ -61,8 +61,16 @@ class BuiltPrompt:
         return None
 
 
-def render_messages(style: str, system: str | None, question: str, sources: list[SourceText]) -> tuple[list[dict], list[tuple[int, int]]]:
-    """Chat messages and, per source, the (start, end) of its text inside the user message."""
+def render_messages(style: str, system: str | None, question: str, sources: list[SourceText],
+                    history: "list[dict] | None" = None) -> tuple[list[dict], list[tuple[int, int]]]:
+    """Chat messages and, per source, the (start, end) of its text inside the (first) user message.
+
+    `history`: earlier turns of a conversation ({"role": "user"|"assistant", "content"}, starting with a user
+    turn). The sources then sit in the first user turn, before its question, and the later turns follow as
+    they were: a follow-up over the same sources repeats the whole earlier prompt and answer (whose KV cache a
+    prefix store can reuse)."""
+    history = list(history or [])
+    first = history[0]["content"] if history else question
     parts = ["Sources:\n"]
     spans = []
     pos = len(parts[0])
@@ -74,9 +82,14 @@ def render_messages(style: str, system: str | None, question: str, sources: list
         spans.append((pos, pos + len(s.text)))
         parts.append(s.text + "\n")
         pos += len(s.text) + 1
-    parts.append(f"\nQuestion: {question}")
-    user = "".join(parts) if sources else f"Question: {question}"
+    parts.append(f"\nQuestion: {first}")
+    user = "".join(parts) if sources else f"Question: {first}"
     messages = [{"role": "system", "content": system or SYSTEM[style]}, {"role": "user", "content": user}]
+    if history:
+        for m in history[1:]:
+            content = f"Question: {m['content']}" if m["role"] == "user" else m["content"]
+            messages.append({"role": m["role"], "content": content})
+        messages.append({"role": "user", "content": f"Question: {question}"})
     return messages, spans
 
 
@@ -95,15 +108,18 @@ class PromptBuilder:
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception:  # templates without a system role: fold the instruction into the user turn
-            merged = [{"role": "user", "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}]
+            merged = [{"role": "user", "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}] + messages[2:]
             return self.tokenizer.apply_chat_template(merged, add_generation_prompt=True, tokenize=False)
 
-    def build(self, question: str, sources: list[SourceText]) -> BuiltPrompt:
+    def build(self, question: str, sources: list[SourceText], history: "list[dict] | None" = None,
+              instructions: str | None = None) -> BuiltPrompt:
+        """`history`: earlier conversation turns (see `render_messages`); `instructions`: appended to the
+        system instruction."""
         if not question or not question.strip():
             raise RagspecError("the question is empty")
         kept = list(sources)
         while True:
-            built = self._build(question, kept)
+            built = self._build(question, kept, history, instructions)
             if self.max_tokens is None or len(built.ids) <= self.max_tokens:
                 break
             if not kept:
@@ -118,8 +134,11 @@ class PromptBuilder:
                 f"{dropped} lowest-ranked source{'s' if dropped > 1 else ''} (kept {len(kept)} of {len(sources)})")
         return built
 
-    def _build(self, question: str, sources: list[SourceText]) -> BuiltPrompt:
-        messages, spans = render_messages(self.style, self.system, question, sources)
+    def _build(self, question: str, sources: list[SourceText], history=None, instructions=None) -> BuiltPrompt:
+        system = self.system or SYSTEM[self.style]
+        if instructions:
+            system = system + "\n\n" + instructions
+        messages, spans = render_messages(self.style, system, question, sources, history)
         text = self.render(messages)
         user = messages[1]["content"]
         # where each source's text sits in the rendered prompt (templates copy content verbatim)

@@ -1,0 +1,1 @@
+"""`ragspec serve`: the OpenAI-compatible server and its web page."""
