@@ -31,6 +31,12 @@ from ragspec.decoding.tree import DraftTree
 from ragspec.errors import RagspecError
 
 MAX_SEQS = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 plus at most 255 leaves per tree
+# llama.cpp's CPU matmuls switch kernels for big batches: on SmolLM2's Q4_1 GGUF (AVX2) a row computed in a
+# batch of 64 rows differs from the same row decoded alone by up to 0.4 in the logits (batches of 1-48: 0.0,
+# bit-identical). So every decode runs in micro-batches of at most UBATCH rows: a tree (still one
+# `llama_decode`), a prefill and the reference's one-token decodes then share kernels, and greedy output is
+# identical by construction, not only up to near-ties.
+UBATCH = 32
 
 
 _AVAILABLE: list = []
@@ -59,10 +65,11 @@ def available() -> str | None:
 
 class LlamaCppModel:
     """A GGUF loaded once: the llama.cpp model, one context (a unified KV cache for up to 256 sequences) and a
-    batch big enough for a prefill chunk or a whole tree. Generations on it queue (one context)."""
+    batch big enough for a prefill chunk or a whole tree (run in micro-batches of `n_ubatch` rows, see
+    UBATCH). Generations on it queue (one context)."""
 
     def __init__(self, gguf: str | Path, n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None,
-                 name: str = ""):
+                 name: str = "", n_ubatch: int = UBATCH):
         why = available()
         if why:
             raise RagspecError(why + " (run `make install`, or use generator.backend: transformers)")
@@ -82,7 +89,7 @@ class LlamaCppModel:
         cp = lc.llama_context_default_params()
         cp.n_ctx = n_ctx
         cp.n_batch = n_batch
-        cp.n_ubatch = n_batch  # a whole tree in one micro-batch
+        cp.n_ubatch = min(n_ubatch, n_batch)  # every matmul sees few rows: the kernels of one-token decodes
         cp.n_seq_max = MAX_SEQS
         cp.kv_unified = True  # one cache all sequences share (the tree's sequences share the whole prefix)
         cp.n_threads = cp.n_threads_batch = self.n_threads
