@@ -352,6 +352,7 @@ def bench(
     prompts: Path = typer.Option(Path("../shared/data/spec_bench/question.jsonl"), "--prompts"),
     category: str = typer.Option("rag", "--category"),
     limit: Optional[int] = typer.Option(None, "--limit"),
+    offset: int = typer.Option(0, "--offset", help="skip the category's first N prompts (a held-out fold)"),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", "--model"),
     methods: str = typer.Option("vanilla,hf-pld,pld,trie,suffix,oracle", "--methods",
                                 help="vanilla, hf-pld, none, pld, trie, suffix, pldplus-h, pldplus-a, oracle (the ceiling)"),
@@ -370,7 +371,7 @@ def bench(
 
         if not prompts.exists():
             raise RagspecError(f"{prompts} does not exist")
-        rows = load_prompts(prompts, category, limit)
+        rows = load_prompts(prompts, category, limit, offset)
         lm, tok = load_generator(model)
         b = budget if budget == "auto" else int(budget)
         with progress() as bar:
