@@ -394,9 +394,10 @@ def bench(
             t.add_row(m, f(r["tokens_per_s"]), f(r["decode_tokens_per_s"]), f(r["speedup"], "{:.2f}×"),
                       f(r.get("of_ceiling"), "{:.0%}"), f(r["mean_accepted"]), f(r["tree_nodes_per_step"]), split,
                       f"{r['identical']}/{len(rows)}", f(r["drafter_memory_mb_4k"]))
-        Console().print(t)
+        out = Console(width=None if sys.stdout.isatty() else 200)  # a log file gets the whole table
+        out.print(t)
         cpu = result["cpu"]
-        Console().print(f"CPU: {cpu['model']} · {cpu['threads']} threads · {' '.join(cpu['flags'])}")
+        out.print(f"CPU: {cpu['model']} · {cpu['threads']} threads · {' '.join(cpu['flags'])}")
 
     _run(body)
 

@@ -82,7 +82,7 @@ class GeneratorSettings(Strict):
 
 class DraftingSettings(Strict):
     method: Literal["none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a"] = Field(
-        "trie", description="where drafts come from (none = plain decoding through the same verifier)"
+        "suffix", description="where drafts come from (none = plain decoding through the same verifier)"
     )
     budget: int | Literal["auto"] = Field(
         "auto", description="draft tree size: auto = cost-aware (measured forward cost), or a fixed node count"

@@ -50,7 +50,7 @@ class _RagspecModelMixin(BaseModel):
     temperature: float | None = None
     max_tokens: int | None = None
     stop: list[str] | None = None
-    drafting: str = "trie"
+    drafting: str = "suffix"
     budget: int | str = "auto"
     seed: int | None = None
     device: str = "auto"
@@ -93,7 +93,7 @@ class _RagspecModelMixin(BaseModel):
 _FIELDS_DOC = """
     model: embedded name, HF id or folder of the generator (default the quickstart's Qwen2.5-Coder-0.5B).
     temperature: 0 = greedy (identical to plain greedy decoding); > 0 samples the model's distribution exactly
-    (None: the pipeline's, 0 by default). max_tokens: answer budget in tokens (None: the pipeline's, 256). stop: stop strings. drafting: none | pld | trie | pldplus-h.
+    (None: the pipeline's, 0 by default). max_tokens: answer budget in tokens (None: the pipeline's, 256). stop: stop strings. drafting: none | pld | trie | suffix | pldplus-h.
     index: an index to retrieve from (LLM only); pipeline_spec: a pipeline YAML/dict for everything else.
     timeout / max_retries: accepted for LangChain's standard parameters; a local model has neither.
 """
