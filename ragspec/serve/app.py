@@ -297,7 +297,7 @@ def create_app(server: Server) -> FastAPI:
 
         def read():
             try:
-                row, text = index.store.document_full(document_id)
+                row, text, *_ = index.store.document_full(document_id)
             except (KeyError, TypeError):
                 return None
             return {"id": row.id, "path": index.source_path(row.path), "key": row.key, "title": row.title,
