@@ -191,3 +191,38 @@ def test_diversity_reorders_candidates(long_index, embedder):
     b = diverse.search("knead the dough")
     assert a[0].chunk_id == b[0].chunk_id  # the most relevant first either way
     assert len(b) == 3
+
+
+class FakeStore:
+    """Just what `group_candidates` reads: chunk rows and copies by hash."""
+
+    def __init__(self, docs: dict[int, tuple[str, list[tuple[int, int]]]]):
+        from ragspec.index.store import ChunkRow
+
+        self.docs = {d: text for d, (text, _) in docs.items()}
+        self.rows = {}
+        for d, (text, spans) in docs.items():
+            for o, (a, b) in enumerate(spans):
+                cid = len(self.rows)
+                self.rows[cid] = ChunkRow(cid, d, o, a, b, text[a:b], f"doc{d}.txt", "", "", text_hash(text[a:b]))
+
+    def chunks(self, ids):
+        return [self.rows[i] for i in ids if i in self.rows]
+
+    def copies(self, hashes):
+        hashes = set(hashes)
+        return {h: sorted(r.id for r in self.rows.values() if r.hash == h) for h in hashes}
+
+
+def test_a_source_that_grows_over_another_takes_it_in():
+    p1 = "Names are bound by assignment, imports, function and class definitions in a block of code."
+    p2 = "A global statement makes the listed names refer to the module namespace for the whole block."
+    a = p1 + "\n\n" + p2
+    b = "Also: " + p2
+    store = FakeStore({1: (a, [(0, len(p1)), (len(p1) + 2, len(a))]), 2: (b, [(0, len(b))])})
+    ranked = [(0, 0.9), (2, 0.8), (1, 0.7)]  # a's first paragraph, b, then a's second paragraph
+    groups = group_candidates(ranked, store, 3, store.docs.__getitem__)
+    assert len(groups) == 1
+    g = groups[0]
+    assert (g.primary.start, g.primary.end, g.primary.text) == (0, len(a), a)
+    assert [(l.document_id, l.kind) for l in g.locations] == [(1, "primary"), (2, "contained")]

@@ -6,7 +6,8 @@ Walking the candidates best first:
 - a chunk of a document that overlaps or touches (only whitespace between) a chosen source's span in that
   document extends that span,
   re-read from the document text (offsets stay exact: `document_text[start:end] == text`);
-- a chunk whose word 5-grams are mostly (≥ `containment`) in a chosen source adds its location to it;
+- a chunk whose word 5-grams are mostly (≥ `containment`) in a chosen source adds its location to it (also when
+  the source grows over it later);
 - anything else takes a new place, until `top_n` places are filled.
 """
 
@@ -85,6 +86,8 @@ def group_candidates(ranked: list[tuple[int, float]], store, top_n: int, documen
             _extend(target, row, document_text)
             _absorb_neighbours(groups, target, document_text)
             target.locations.extend(l for l in locs[1:] if not _holds(target, l))
+            if min_containment is not None:
+                _absorb_contained(groups, target, min_containment)
             continue
         sh = shingles(row.text)
         if min_containment is not None:
@@ -141,6 +144,17 @@ def _absorb_neighbours(groups: list[Group], g: Group, document_text: Callable[[i
             g.score = max(g.score, other.score)
             groups.remove(other)
     g.shingles = shingles(p.text)
+
+
+def _absorb_contained(groups: list[Group], g: Group, min_containment: float) -> None:
+    """After `g` grew, a source now mostly inside it becomes one of its locations, freeing a place."""
+    for other in [o for o in groups if o is not g]:
+        if containment(other.shingles, g.shingles) >= min_containment:
+            for l in other.locations:
+                l.kind = "copy" if l.kind == "copy" else "contained"
+                if not _holds(g, l):
+                    g.locations.append(l)
+            groups.remove(other)
 
 
 def _holds(g: Group, loc: Location) -> bool:
