@@ -161,3 +161,30 @@ def test_an_old_index_says_in_one_line_to_rebuild(indexes, tmp_path, embedder):
     assert "\n" not in str(e.value) and "rebuild it: ragspec index CORPUS --out" in str(e.value)
     res = CliRunner().invoke(app, ["search", str(old), "fox"])
     assert res.exit_code == 2 and "rebuild" in res.output and "Traceback" not in res.output
+
+
+def test_pipeline_filter_from_the_spec_and_per_question(indexes):
+    from ragspec.pipeline import Pipeline
+
+    pipe = Pipeline({"retriever": {"filter": ["lang=de"], **PLAIN}}, str(indexes["flat"].path))
+    sources, _ = pipe.retrieve("a fox near the marsh")
+    meta = dict(indexes["flat"].store.metadata())
+    assert len(sources) == 5 and all(meta[s.document_id].get("lang") == "de" for s in sources)
+    sources, _ = pipe.retrieve("a fox near the marsh", filter={"path": "guide/*"})  # per question wins
+    assert [s.path.rsplit("/", 2)[-2:] for s in sources] == [["guide", "otters.txt"]]
+
+
+def test_metadata_survives_an_incremental_rebuild(tmp_path, embedder):
+    root = write_corpus(tmp_path / "corpus", {"a.jsonl": '{"_id": "r1", "text": "Otters eat fish.", "year": 2001}\n',
+                                              "b.md": "# B\n\nBeavers build dams."})
+    s = IndexSettings(chunk_tokens=48, overlap=8)
+    build_index(root, tmp_path / "idx", s, embedder=embedder, show_progress=False)
+    (root / "c.txt").write_text("Herons stand still in shallow water.")
+    again = build_index(root, tmp_path / "idx", s, embedder=embedder, show_progress=False)
+    assert again.reused >= 2 and again.embedded == 1
+    meta = {f["path"]: f for _, f in Index(tmp_path / "idx").store.metadata()}
+    assert meta["a.jsonl"]["year"] == 2001 and meta["a.jsonl"]["type"] == "jsonl" and meta["a.jsonl"]["key"] == "r1"
+    assert meta["b.md"]["type"] == "md" and meta["c.txt"]["type"] == "txt"
+    hits = Retriever(Index(tmp_path / "idx"), RetrieverSettings(top_n=3), embedder=embedder).search(
+        "what do otters eat", filter="year=2001")
+    assert [h.key for h in hits] == ["r1"]
