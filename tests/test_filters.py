@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -38,7 +37,7 @@ def records() -> str:
 
 SETTINGS = {"flat": IndexSettings(chunk_tokens=64, overlap=8, index_type="flat"),
             "ivfpq": IndexSettings(chunk_tokens=64, overlap=8, index_type="ivfpq")}
-PLAIN = dict(merge=False, containment=None)  # one hit per record, so counts are counts of records
+PLAIN = {"merge": False, "containment": None}  # one hit per record, so counts are counts of records
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +87,7 @@ def test_filters_on_flat_and_ivf(indexes, embedder, kind):
 def test_a_selective_filter_still_fills_top_n(indexes, embedder, kind):
     idx = indexes[kind]
     flt = {"lang": "fr", "year": {"$in": [1992, 1995, 1998, 2001, 2004, 2007]}}  # 12 records
-    keep = lambda f: f.get("lang") == "fr" and f.get("year") in (1992, 1995, 1998, 2001, 2004, 2007)  # noqa: E731
+    keep = lambda f: f.get("lang") == "fr" and f.get("year") in (1992, 1995, 1998, 2001, 2004, 2007)
     allowed = {did for did, f in idx.store.metadata() if keep(f)}
     assert len(allowed) >= 8
     for mode in ("dense", "bm25", "hybrid"):

@@ -126,7 +126,7 @@ def test_neighbouring_chunks_merge_into_one_exact_span(long_index, name):
     docs = {d.path: d.id for d in idx.store.documents()}
     chunks = idx.store.chunks_of(docs[name])
     assert len(chunks) >= 4
-    (c0, _, s0, e0, _), (c1, _, s1, e1, _), (c2, *_), (c3, _, s3, e3, _) = chunks[:4]
+    (c0, _, s0, e0, _), (c1, _, s1, e1, _), (c2, *_), (c3, _, _, e3, _) = chunks[:4]
     doc = idx.store.document_text(docs[name])
     assert (s1 < e0) if name == "flow.txt" else (s1 > e0 and touching(doc, (s0, e0), (s1, e1)))
     other = idx.store.chunks_of(docs["other.txt"])[0][0]

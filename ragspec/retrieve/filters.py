@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from datetime import datetime, timezone
-from typing import Any, Callable
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
 
 from ragspec.errors import RagspecError
 
 OPS = ("$eq", "$ne", "$gt", "$gte", "$lt", "$lte", "$in", "$nin", "$glob")
-WHERE = re.compile(r"^\s*([A-Za-z_][\w.\-]*)\s*(>=|<=|!=|==|=|>|<|\s+in\s+)\s*(.*?)\s*$", re.S)
+WHERE = re.compile(r"^\s*([A-Za-z_][\w.\-]*)\s*(>=|<=|!=|==|=|>|<|\s+in\s+)\s*(.*?)\s*$", re.DOTALL)
 SYMBOL = {"=": "$eq", "==": "$eq", "!=": "$ne", ">": "$gt", ">=": "$gte", "<": "$lt", "<=": "$lte"}
 DATE = re.compile(r"^\d{4}-\d{2}-\d{2}([T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?)?(Z|[+-]\d{2}:?\d{2})?$")
 
@@ -104,7 +105,7 @@ def _test(field: str, op: str, bound: Any) -> Predicate:
     if op in ("$in", "$nin"):
         if not isinstance(bound, (list, tuple)):
             raise RagspecError(f"{op} on '{field}' takes a list")
-        hit = lambda d: field in d and any(_equal(d[field], b) for b in bound)  # noqa: E731
+        hit = lambda d: field in d and any(_equal(d[field], b) for b in bound)
         return hit if op == "$in" else (lambda d: not hit(d))
     if op == "$glob":
         return lambda d: isinstance(d.get(field), str) and fnmatch.fnmatchcase(d[field], str(bound))
@@ -157,7 +158,7 @@ def _date(v: Any) -> float | None:
         return float(v)
     if isinstance(v, str) and DATE.match(v.strip()):
         d = datetime.fromisoformat(v.strip().replace("Z", "+00:00"))
-        return (d if d.tzinfo else d.replace(tzinfo=timezone.utc)).timestamp()
+        return (d if d.tzinfo else d.replace(tzinfo=UTC)).timestamp()
     return None
 
 

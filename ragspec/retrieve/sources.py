@@ -14,8 +14,8 @@ Walking the candidates best first:
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 WORD = re.compile(r"\w+")
 SHINGLE = 5
@@ -64,7 +64,7 @@ def group_candidates(ranked: list[tuple[int, float]], store, top_n: int, documen
     """Distinct sources, best first, from candidates (chunk id, score) ranked best first."""
     texts: dict[int, str] = {}
     fetch = document_text
-    document_text = lambda d: texts[d] if d in texts else texts.setdefault(d, fetch(d))  # noqa: E731
+    document_text = lambda d: texts[d] if d in texts else texts.setdefault(d, fetch(d))
     ids = [c for c, _ in ranked]
     rows = {r.id: r for r in store.chunks(ids)}
     copies = store.copies(r.hash for r in rows.values())
@@ -108,7 +108,7 @@ def _location(row, kind: str) -> Location:
 
 def touching(text: str, a: tuple[int, int], b: tuple[int, int]) -> bool:
     """Spans [a0, a1) and [b0, b1) of one document overlap, or only whitespace lies between them."""
-    (a0, a1), (b0, b1) = sorted([a, b])
+    (_, a1), (b0, _) = sorted([a, b])
     return b0 <= a1 or not text[a1:b0].strip()
 
 
