@@ -139,12 +139,15 @@ def index(
 
 @app.command()
 def search(
-    index_path: Path = typer.Argument(..., metavar="INDEX", help="index path, e.g. indexes/NAME"),
-    query: str = typer.Argument(...),
+    args: list[str] = typer.Argument(..., metavar="[INDEX] QUERY", help="the query (after the index path when no --index)"),
+    index_opt: Optional[Path] = typer.Option(None, "--index", help="index path, e.g. indexes/NAME"),
     k: int = typer.Option(5, "-k", "--top", help="results to show"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document (schema in README)"),
     mode: str = typer.Option("hybrid", "--mode", help="hybrid | dense | bm25"),
     reranker: Optional[str] = typer.Option(None, "--reranker", help="CrossEncoder name or folder"),
+    where: Optional[list[str]] = typer.Option(None, "--where", help="metadata filter, repeatable: 'path=tutorial/*', "
+                                              "'year>=2020', 'type in md,rst'"),
+    diversity: Optional[float] = typer.Option(None, "--diversity", help="MMR strength, 0 (off) … 1"),
 ):
     """Search an index: rank, score, document path, character offsets, text."""
 
@@ -153,13 +156,23 @@ def search(
         from ragspec.retrieve.retriever import Retriever
         from ragspec.settings import RetrieverSettings
 
+        if index_opt is not None:
+            if len(args) != 1:
+                raise RagspecError("with --index give just the query (quote it)")
+            index_path, query = index_opt, args[0]
+        elif len(args) == 2:
+            index_path, query = Path(args[0]), args[1]
+        else:
+            raise RagspecError("give the index and the query: ragspec search --index INDEX QUERY")
         if k < 1:
             raise RagspecError("-k must be at least 1")
         if mode not in ("hybrid", "dense", "bm25"):
             raise RagspecError(f"--mode '{mode}' is not one of hybrid, dense, bm25")
+        if diversity is not None and not 0 <= diversity <= 1:
+            raise RagspecError("--diversity must be between 0 and 1")
         retriever = Retriever(str(index_path), RetrieverSettings(top_n=k, mode=mode, reranker=reranker))
         t = time.perf_counter()
-        hits = retriever.search(query, top_n=k)
+        hits = retriever.search(query, top_n=k, filter=list(where) if where else None, diversity=diversity)
         ms = (time.perf_counter() - t) * 1000
         if as_json:
             doc = {"index": str(index_path), "query": query, "results": [h.as_json() for h in hits]}
@@ -171,6 +184,9 @@ def search(
         for h in hits:
             out.print(f"[bold]{h.rank}.[/] [cyan]{h.path}[/]{'#' + h.key if h.key else ''} "
                       f"[dim][{h.start}:{h.end}] score {h.score:.4f}[/]")
+            for l in h.locations[1:]:
+                out.print(f"   [dim]also {l.kind} in[/] [cyan]{l.path}[/]{'#' + l.key if l.key else ''} "
+                          f"[dim][{l.start}:{l.end}][/]")
             snippet = " ".join(h.text.split())
             out.print("   " + (snippet[:300] + ("…" if len(snippet) > 300 else "")))
         console.print(f"[dim]{len(hits)} results in {ms:.0f} ms ({', '.join(retriever.stages)})[/]")
@@ -352,6 +368,7 @@ def bench(
     prompts: Path = typer.Option(Path("../shared/data/spec_bench/question.jsonl"), "--prompts"),
     category: str = typer.Option("rag", "--category"),
     limit: Optional[int] = typer.Option(None, "--limit"),
+    offset: int = typer.Option(0, "--offset", help="skip the category's first N prompts (a held-out fold)"),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", "--model"),
     methods: Optional[str] = typer.Option(None, "--methods",
                                           help="vanilla, hf-pld (llama-pld with --backend llama.cpp), none, pld, trie, "
@@ -373,7 +390,7 @@ def bench(
 
         if not prompts.exists():
             raise RagspecError(f"{prompts} does not exist")
-        rows = load_prompts(prompts, category, limit)
+        rows = load_prompts(prompts, category, limit, offset)
         if backend not in ("transformers", "llama.cpp"):
             raise RagspecError(f"--backend must be transformers or llama.cpp, not '{backend}'")
         if backend == "llama.cpp":
@@ -405,9 +422,10 @@ def bench(
             t.add_row(m, f(r["tokens_per_s"]), f(r["decode_tokens_per_s"]), f(r["speedup"], "{:.2f}×"),
                       f(r.get("of_ceiling"), "{:.0%}"), f(r["mean_accepted"]), f(r["tree_nodes_per_step"]), split,
                       f"{r['identical']}/{len(rows)}", f(r["drafter_memory_mb_4k"]))
-        Console().print(t)
+        out = Console(width=None if sys.stdout.isatty() else 200)  # a log file gets the whole table
+        out.print(t)
         cpu = result["cpu"]
-        Console().print(f"CPU: {cpu['model']} · {cpu['threads']} threads · {' '.join(cpu['flags'])}")
+        out.print(f"CPU: {cpu['model']} · {cpu['threads']} threads · {' '.join(cpu['flags'])}")
 
     _run(body)
 
@@ -422,6 +440,7 @@ def ask(
     model: Optional[str] = typer.Option(None, "--model", help="override generator.model"),
     method: Optional[str] = typer.Option(None, "--drafting", help="override drafting.method (none|pld|trie|suffix|pldplus-h|pldplus-a)"),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="override generator.max_new_tokens"),
+    where: Optional[list[str]] = typer.Option(None, "--where", help="metadata filter, repeatable (see `search`)"),
 ):
     """Answer a question over an index: streamed, copied spans highlighted and cited, sources listed."""
 
@@ -438,7 +457,9 @@ def ask(
             data["drafting"]["method"] = method
         if max_new_tokens:
             data["generator"]["max_new_tokens"] = max_new_tokens
-        pipe = Pipeline(load_spec(data) if (model or method or max_new_tokens) else load_spec(spec),
+        if where:
+            data["retriever"]["filter"] = list(where)
+        pipe = Pipeline(load_spec(data) if (model or method or max_new_tokens or where) else load_spec(spec),
                         str(index_path) if index_path else None)
         with console.status("loading the index and the model…"):
             pipe.retriever  # noqa: B018 — open the index now, so a bad path fails before the model loads

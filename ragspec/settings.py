@@ -54,6 +54,14 @@ class RetrieverSettings(Strict):
         None, description="CrossEncoder name (BAAI/bge-reranker-v2-m3 online); none ships offline"
     )
     nprobe: int | None = Field(None, ge=1, description="override the index's nprobe at search time")
+    merge: bool = Field(True, description="chunks of one document that overlap or touch become one source")
+    containment: float | None = Field(
+        0.8, gt=0.0, le=1.0, description="a chunk with this share of its word 5-grams inside a chosen source adds "
+                                         "its location to that source instead of taking a place (null: off)")
+    diversity: float = Field(0.0, ge=0.0, le=1.0, description="maximal marginal relevance over the stored "
+                                                              "embeddings: 0 = off … 1 = most diverse")
+    filter: dict | list[str] | str | None = Field(
+        None, description="metadata filter on every search: LangChain's dict shape or --where strings")
 
 
 class PromptSettings(Strict):
@@ -86,7 +94,7 @@ class GeneratorSettings(Strict):
 
 class DraftingSettings(Strict):
     method: Literal["none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a"] = Field(
-        "trie", description="where drafts come from (none = plain decoding through the same verifier)"
+        "suffix", description="where drafts come from (none = plain decoding through the same verifier)"
     )
     budget: int | Literal["auto"] = Field(
         "auto", description="draft tree size: auto = cost-aware (measured forward cost), or a fixed node count"

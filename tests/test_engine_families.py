@@ -4,9 +4,13 @@ small enough for tests; the architecture code under test is the real one)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+from ragspec.decoding.drafters.oracle import OracleDrafter
+from ragspec.decoding.drafters.suffix import SuffixDrafter
 from ragspec.decoding.drafters.trie import NgramTrieDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.decoding.tree import DraftTree
@@ -17,12 +21,17 @@ from ragspec.decoding.verifier import sliding_window
 def tokenizer():
     from transformers import AutoTokenizer
 
+    if os.environ.get("RAGSPEC_TEST_TOKENIZER"):  # a machine without the model packages (a GPU box) brings its own
+        return AutoTokenizer.from_pretrained(os.environ["RAGSPEC_TEST_TOKENIZER"])
     from ragspec.models.generator import generator_source
 
     return AutoTokenizer.from_pretrained(generator_source("smollm2-135m-instruct"))
 
 
-def tiny(family: str, vocab: int):
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def tiny(family: str, vocab: int, device: str = "cpu"):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -34,7 +43,7 @@ def tiny(family: str, vocab: int):
         model = Gemma3ForCausalLM(cfg)
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
-    return model.eval()
+    return model.eval().to(device)
 
 
 class Oracle:
@@ -58,18 +67,20 @@ class Oracle:
         return t
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["gemma3", "qwen2"])
-def test_tree_decoding_matches_generate(family, tokenizer):
-    model = tiny(family, len(tokenizer))
+def test_tree_decoding_matches_generate(family, device, tokenizer):
+    model = tiny(family, len(tokenizer), device)
     assert (sliding_window(model.config) == 8) == (family == "gemma3")
     text = "The river rises in the forest and flows to the sea. " * 4
     prompt = tokenizer(text)["input_ids"]  # ~50 tokens: well past the 8-token window
     eos = [tokenizer.eos_token_id]
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, eos_token_id=eos,
-                             pad_token_id=eos[0], attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        ids = torch.tensor([prompt], device=device)
+        out = model.generate(ids, do_sample=False, max_new_tokens=40, eos_token_id=eos, pad_token_id=eos[0],
+                             attention_mask=torch.ones_like(ids))
     ref = out[0, len(prompt):].tolist()
-    for drafter in (NgramTrieDrafter(), Oracle(ref)):
+    for drafter in (NgramTrieDrafter(), SuffixDrafter(), OracleDrafter(ref), Oracle(ref)):
         gen = SpeculativeGenerator(model, tokenizer, drafter=drafter, max_new_tokens=40, eos_token_ids=eos)
         gen.generate(prompt)
         assert gen.tokens == ref, drafter.name

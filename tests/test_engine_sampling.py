@@ -110,18 +110,37 @@ def test_first_two_tokens_follow_the_model(smol):
 
 
 def test_suffix_drafts_keep_the_distribution(smol):
-    """The suffix drafter's own scored tree (several continuations of a repeated spot) under sampling."""
+    """The suffix drafter's own scored tree (several continuations of a repeated spot) under sampling. The
+    tree's logits come from one verifier forward; the acceptance then runs SAMPLES times on them (a second
+    token the tree does not reach is drawn from the exact next-token distribution, as a plain step would)."""
     from ragspec.decoding.drafters.base import DraftState
     from ragspec.decoding.drafters.suffix import SuffixDrafter
 
     model, tok = smol
-    prompt = chat(tok, "Colours: red, blue, red, green, red, blue. Name one colour from the list.")
-    prompt += tok("Colours: red, blue, red, green, red, blue. One of them:", add_special_tokens=False)["input_ids"]
+    prompt = chat(tok, "List colours.")
+    prompt += tok("Colours: red, blue. red, green. red, pink. red,", add_special_tokens=False)["input_ids"]
     p1, joint = exact_joint(model, prompt)
     drafter = SuffixDrafter()
     state = DraftState(tokens=list(prompt), prompt_len=len(prompt))
     drafter.prepare(state)
     tree = drafter.propose(state, 12)
     assert len(tree.children(-1)) >= 2 and tree.max_depth() >= 2  # branches and depth: both exercised
-    counts = sample_pairs(model, prompt, lambda: tree, lambda first: DraftTree())
+    v = Verifier(model, SETTINGS)
+    v.prefill(prompt)
+    with torch.inference_mode():
+        ids = torch.tensor([[v.root] + tree.tokens])
+        pos = torch.tensor([tree.position_ids(v.cached)])
+        logits = v._forward(ids, pos, tree.attention_mask(v.cached, v.dtype)).logits[0]
+    gen = torch.Generator().manual_seed(7)
+    counts: dict[tuple[int, int], int] = {}
+    for _ in range(SAMPLES):
+        path, bonus = v._accept_sampled(tree, logits)
+        toks = [tree.tokens[i] for i in path] + [bonus]
+        if len(toks) < 2:
+            t1 = toks[0]
+            nxt = sorted(k[1] for k in joint if k[0] == t1)
+            w = torch.tensor([joint[(t1, b)] for b in nxt])
+            toks.append(nxt[int(torch.multinomial(w / w.sum(), 1, generator=gen))])
+        key = (toks[0], toks[1])
+        counts[key] = counts.get(key, 0) + 1
     assert_follows(joint, counts)

@@ -142,3 +142,17 @@ def test_retriever_documents_carry_offsets():
         with open(d.metadata["source"], encoding="utf-8", newline="") as f:
             assert f.read()[d.metadata["start"] : d.metadata["end"]] == d.page_content
         assert {"chunk_id", "score"} <= set(d.metadata)
+
+
+def test_retriever_filter_in_search_kwargs_and_per_call():
+    index = small_index()
+    docs = RagspecRetriever(index=index, search_kwargs={"k": 3, "filter": {"path": "sub/*"}}).invoke("rivers")
+    assert docs and all(d.metadata["source"].endswith("sub/bread.rst") for d in docs)
+    docs = RagspecRetriever(index=index, k=2).invoke("how do I open a file", filter={"type": {"$in": ["txt"]}})
+    assert docs and all(d.metadata["source"].endswith("rivers.txt") for d in docs)
+    for d in docs:
+        loc = d.metadata["locations"][0]
+        assert (loc["source"], loc["start"], loc["end"]) == (d.metadata["source"], d.metadata["start"],
+                                                              d.metadata["end"])
+    mmr = RagspecRetriever(index=index, k=3, search_type="mmr").invoke("how do I open a file for appending")
+    assert len(mmr) == 3

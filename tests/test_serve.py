@@ -160,8 +160,13 @@ def test_search_models_documents_and_errors(live, index_path):
     doc = r.json()
     assert r.status_code == 200 and doc["query"] == "Danube" and len(doc["results"]) == 2
     for h in doc["results"]:
-        assert {"rank", "score", "path", "start", "end", "text", "chunk_id", "key", "title", "stages"} == set(h)
+        assert {"rank", "score", "path", "start", "end", "text", "chunk_id", "key", "title", "stages", "document_id",
+                "chunk_ids", "locations"} == set(h)
         assert doc_slice(h["path"], h["start"], h["end"]) == h["text"]
+    r = httpx.post(f"{srv.url}/v1/search", json={"query": "Danube", "filter": {"path": "sub/*"}}, headers=headers())
+    assert r.status_code == 200 and all(h["path"].endswith("sub/bread.rst") for h in r.json()["results"])
+    r = httpx.post(f"{srv.url}/v1/search", json={"query": "Danube", "filter": "colour=red"}, headers=headers())
+    assert r.status_code == 400 and "unknown filter field 'colour'" in r.json()["error"]["message"]
     assert httpx.get(f"{srv.url}/v1/documents/999999", headers=headers()).status_code == 404
     assert httpx.get(f"{srv.url}/v1/documents/..%2F..%2Fetc%2Fpasswd", headers=headers()).status_code in (400, 404)
     # unauthorised: every /v1 endpoint; the page and the health check stay open

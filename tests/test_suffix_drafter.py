@@ -83,8 +83,11 @@ def test_suffix_tree_is_scored_deep_and_best_first():
     state = DraftState(tokens=list(tokens), prompt_len=len(tokens))
     d.prepare(state)
     tree = d.propose(state, 200)
-    assert tree.scored and tree.tokens == run_[5:] + [3, 4] + run_[:5]
-    assert tree.max_depth() == len(tree)  # a chain
+    copy = run_[5:] + [3, 4] + run_[:5]
+    assert tree.scored and tree.tokens[: len(copy)] == copy
+    # past the end of the sequence the copy goes on with the draft itself (the next period of a repeat)
+    assert tree.tokens[len(copy) : 2 * len(copy)] == copy
+    assert tree.max_depth() == len(tree) > 2 * len(copy)  # one chain, deeper than any fixed cap (until min_prob)
     assert tree.sources[0] == 2 + 5 and all(tokens[s] == t for s, t in zip(tree.sources, tree.tokens) if s >= 0)
     assert tree.confs[0] < 1 and all(0 < c <= 1 for c in tree.confs)
     # a spot followed by 'a' three times and 'b' once: 'a' first, both offered, 'a' more confident

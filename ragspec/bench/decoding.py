@@ -47,7 +47,8 @@ def cpu_info() -> dict:
     return {"model": model, "threads": torch.get_num_threads(), "flags": sorted(keep)}
 
 
-def load_prompts(path: Path, category: str, limit: int | None) -> list[dict]:
+def load_prompts(path: Path, category: str, limit: int | None, offset: int = 0) -> list[dict]:
+    """Prompts of one category (`all`: every category), skipping the first `offset` (a held-out fold)."""
     rows = []
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -55,8 +56,9 @@ def load_prompts(path: Path, category: str, limit: int | None) -> list[dict]:
                 obj = json.loads(line)
                 if obj.get("category") == category:
                     rows.append(obj)
+    rows = rows[offset:]
     if not rows:
-        raise RagspecError(f"no prompts of category '{category}' in {path}")
+        raise RagspecError(f"no prompts of category '{category}' in {path}" + (f" after the first {offset}" if offset else ""))
     return rows[:limit] if limit else rows
 
 

@@ -34,6 +34,7 @@ class Document:
     size: int
     mtime: float
     encoding: str
+    meta: dict = field(default_factory=dict)  # a JSON record's other scalar fields
 
 
 @dataclass
@@ -130,7 +131,7 @@ def iter_documents(root: Path, report: ScanReport | None = None) -> Iterator[Doc
 
 def _document(src: SourceFile, r: Record, digest: str, encoding: str) -> Document:
     title = r.title or title_of(r.text, Path(src.rel).name)
-    return Document(src.rel, r.key, title, r.text, digest, src.size, src.mtime, encoding)
+    return Document(src.rel, r.key, title, r.text, digest, src.size, src.mtime, encoding, dict(r.meta))
 
 
 def _utf8(name: str) -> bool:

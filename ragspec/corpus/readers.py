@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".rst"}
 HTML_SUFFIXES = {".html", ".htm"}
@@ -31,6 +31,7 @@ class Record:
     key: str  # "" for a whole file, else the record id
     title: str
     text: str
+    meta: dict = field(default_factory=dict)  # a JSON record's other scalar fields (what filters can test)
 
 
 def decode(data: bytes) -> tuple[str, str]:
@@ -122,8 +123,15 @@ def json_records(text: str, suffix: str) -> tuple[list[Record], list[str]]:
                             f"kept as {unique!r}")
             key = unique
         first_seen[key] = n
-        records.append(Record(key=key, title=title, text=full))
+        records.append(Record(key=key, title=title, text=full, meta=record_meta(obj)))
     return records, problems
+
+
+def record_meta(obj: dict) -> dict:
+    """A record's scalar fields other than its id, title and text: strings, numbers and booleans."""
+    skip = {"title", *ID_FIELDS, *TEXT_FIELDS}
+    return {k: v for k, v in obj.items()
+            if k not in skip and isinstance(k, str) and (v is None or isinstance(v, (str, int, float, bool)))}
 
 
 def _unique_key(key: str, at: str, taken: dict[str, int]) -> str:

@@ -18,7 +18,7 @@ from ragspec.errors import RagspecError
 from ragspec.index import faiss_index, layout, manifest
 from ragspec.index.integrity import IndexDamaged
 from ragspec.index.reader import Index
-from ragspec.index.store import StoreWriter
+from ragspec.index.store import StoreWriter, text_hash
 from ragspec.settings import IndexSettings
 
 STORE = "store.sqlite"
@@ -211,10 +211,11 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
         for f in files:
             if f.rel in keep:
                 for row in keep[f.rel].rows:
-                    doc, text = prev.store.document_full(row.id)
+                    doc, text, ftype, meta = prev.store.document_full(row.id)
                     did = writer.add_document(
                         path=doc.path, key=doc.key, sha256=doc.sha256, size=keep[f.rel].size,
                         mtime=keep[f.rel].mtime, title=doc.title, encoding=doc.encoding, text=text,
+                        file_type=ftype, meta=meta,
                     )
                     old_chunks = prev.store.chunks_of(row.id)
                     writer.add_chunks(did, [(o, s, e, t) for _, o, s, e, t in old_chunks])
@@ -226,7 +227,7 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
                 for d in new_docs[f.rel]:
                     did = writer.add_document(
                         path=d.rel, key=d.key, sha256=d.sha256, size=d.size, mtime=d.mtime,
-                        title=d.title, encoding=d.encoding, text=d.text,
+                        title=d.title, encoding=d.encoding, text=d.text, file_type=file_type(d.rel), meta=d.meta,
                     )
                     chunks = chunk_text(d.text, embedder.tokenizer, chunker)
                     writer.add_chunks(did, [(c.order, c.start, c.end, c.text) for c in chunks])
@@ -245,9 +246,20 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
     vectors = np.zeros((n, dim), dtype=np.float32)
     t_embed = time.perf_counter()
     if texts_new:
+        # copies of one text (the same paragraph in several files) are embedded once
+        first: dict[str, int] = {}
+        distinct: list[str] = []
+        slot_of: list[int] = []
+        for t in texts_new:
+            h = text_hash(t)
+            if h not in first:
+                first[h] = len(distinct)
+                distinct.append(t)
+            slot_of.append(first[h])
         with progress() as bar:
-            task = bar.add_task("embedding", total=len(texts_new), visible=show_progress)
-            fresh = embedder.encode(texts_new, settings.embed_batch_size, on_batch=lambda k: bar.advance(task, k))
+            task = bar.add_task("embedding", total=len(distinct), visible=show_progress)
+            fresh = embedder.encode(distinct, settings.embed_batch_size, on_batch=lambda k: bar.advance(task, k))
+        fresh = fresh[np.asarray(slot_of, dtype=np.int64)]
         summary.embed_seconds = time.perf_counter() - t_embed
     else:
         fresh = np.zeros((0, dim), dtype=np.float32)
@@ -305,6 +317,11 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
     summary.factory = plan.factory
     summary.index_type = plan.kind
     return summary
+
+
+def file_type(rel: str) -> str:
+    """A document's file type for filters: its suffix without the dot, lower-case ('' when it has none)."""
+    return Path(rel).suffix.lower().lstrip(".")
 
 
 def _open_previous(target: Path) -> Index | None:

@@ -216,18 +216,47 @@ def read(path: Path, plan: dict, use_gpu: bool = False):
     return index
 
 
-def search(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def search_params(index, allowed: np.ndarray, nprobe: int | None = None):
+    """FAISS search parameters that let only `allowed` ids through (an ID selector inside the search), for a
+    flat index, an IVF index, or IVF-PQ under the exact re-ranking (`IndexRefine`)."""
+    import faiss
+
+    sel = faiss.IDSelectorBatch(np.ascontiguousarray(allowed, dtype=np.int64))
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is None:
+        return faiss.SearchParameters(sel=sel), sel
+    inner = faiss.SearchParametersIVF(sel=sel, nprobe=int(nprobe or ivf.nprobe))
+    refine = faiss.downcast_index(index)
+    if hasattr(refine, "k_factor"):
+        return faiss.IndexRefineSearchParameters(k_factor=float(refine.k_factor), base_index_params=inner), sel
+    return inner, sel
+
+
+def search(index, queries: np.ndarray, k: int, allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(scores, ids) for unit-vector queries, each id once; ids of -1 (fewer than k results) are dropped by
-    callers."""
+    callers. `allowed`: the only ids that may be returned (a filter), applied inside the search; on IVF, when
+    the probed lists hold fewer than k allowed vectors, the search runs again over every list."""
     import faiss
 
     q = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
-    k = max(1, min(k, index.ntotal))
     ivf = faiss.try_extract_index_ivf(index)
+    if allowed is not None:
+        k = max(1, min(k, len(allowed)))
+        scores, ids = _search(index, ivf, q, k, allowed)
+        if ivf is not None and (ids < 0).any() and ivf.nprobe < ivf.nlist:
+            scores, ids = _search(index, ivf, q, k, allowed, nprobe=ivf.nlist)
+        return scores, ids
+    return _search(index, ivf, q, max(1, min(k, index.ntotal)))
+
+
+def _search(index, ivf, q: np.ndarray, k: int, allowed: np.ndarray | None = None, nprobe: int | None = None):
+    params, selector = search_params(index, allowed, nprobe) if allowed is not None else (None, None)
     copies = -(-ivf.ntotal // max(index.ntotal, 1)) if ivf is not None else 1
     if copies <= 1:
-        return index.search(q, k)
-    scores, ids = index.search(q, min(k * copies, ivf.ntotal))
+        return index.search(q, k, params=params) if params is not None else index.search(q, k)
+    kk = min(k * copies, ivf.ntotal)
+    scores, ids = index.search(q, kk, params=params) if params is not None else index.search(q, kk)
+    del selector  # kept alive through the search (FAISS holds only a raw pointer)
     out_s = np.full((len(q), k), -np.inf, dtype=np.float32)
     out_i = np.full((len(q), k), -1, dtype=np.int64)
     for row in range(len(q)):

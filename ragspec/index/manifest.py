@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ragspec.errors import RagspecError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: chunk text hashes, document file type and metadata (filters, copies)
 MANIFEST = "manifest.json"
 KEYS = {"format_version", "corpus", "embedder", "faiss", "chunker", "bm25", "counts", "files", "created", "checksum"}
 
@@ -40,7 +40,8 @@ def load(folder: Path, shown: str | None = None) -> dict:
     version = data.get("format_version")
     if version != FORMAT_VERSION:
         raise RagspecError(
-            f"{shown} has index format {version}, this ragspec reads format {FORMAT_VERSION}; rebuild the index"
+            f"{shown} has index format {version}, this ragspec reads format {FORMAT_VERSION}; rebuild it: "
+            f"ragspec index CORPUS --out {shown}"
         )
     # manifests written before the checksum existed have none; any damage to one written since is caught
     if "checksum" in data and data["checksum"] != checksum(data):

@@ -27,6 +27,8 @@ class Index:
         self.store = Store(self.folder / "store.sqlite")
         self._faiss = None
         self._bm25 = None
+        self._embeddings = None
+        self._fields = None
         self._lock = threading.Lock()
 
     @property
@@ -61,6 +63,32 @@ class Index:
 
                 self._bm25 = BM25Index(self.folder / "bm25")
             return self._bm25
+
+    @property
+    def embeddings(self):
+        """The stored chunk vectors (float16, memory-mapped; row = chunk id): MMR compares candidates with them."""
+        with self._lock:
+            if self._embeddings is None:
+                import numpy as np
+
+                self._embeddings = np.load(self.folder / "embeddings.npy", mmap_mode="r", allow_pickle=False)
+            return self._embeddings
+
+    def allowed_chunks(self, flt: dict):
+        """Chunk ids (sorted int64) of the documents a filter keeps; an unknown field is one error line."""
+        import numpy as np
+
+        from ragspec.retrieve.filters import compile_filter
+
+        with self._lock:
+            if self._fields is None:
+                docs = self.store.metadata()
+                known = set().union(*(d for _, d in docs)) if docs else set()
+                self._fields = (docs, known, np.asarray(self.store.chunk_documents(), dtype=np.int64))
+        docs, known, chunk_doc = self._fields
+        keep = compile_filter(flt, known)
+        ids = np.asarray([did for did, fields in docs if keep(fields)], dtype=np.int64)
+        return np.flatnonzero(np.isin(chunk_doc, ids)).astype(np.int64)
 
     def set_nprobe(self, nprobe: int) -> None:
         import faiss

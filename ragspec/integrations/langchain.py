@@ -50,7 +50,7 @@ class _RagspecModelMixin(BaseModel):
     temperature: float | None = None
     max_tokens: int | None = None
     stop: list[str] | None = None
-    drafting: str = "trie"
+    drafting: str = "suffix"
     budget: int | str = "auto"
     seed: int | None = None
     device: str = "auto"
@@ -93,7 +93,7 @@ class _RagspecModelMixin(BaseModel):
 _FIELDS_DOC = """
     model: embedded name, HF id or folder of the generator (default the quickstart's Qwen2.5-Coder-0.5B).
     temperature: 0 = greedy (identical to plain greedy decoding); > 0 samples the model's distribution exactly
-    (None: the pipeline's, 0 by default). max_tokens: answer budget in tokens (None: the pipeline's, 256). stop: stop strings. drafting: none | pld | trie | pldplus-h.
+    (None: the pipeline's, 0 by default). max_tokens: answer budget in tokens (None: the pipeline's, 256). stop: stop strings. drafting: none | pld | trie | suffix | pldplus-h.
     index: an index to retrieve from (LLM only); pipeline_spec: a pipeline YAML/dict for everything else.
     timeout / max_retries: accepted for LangChain's standard parameters; a local model has neither.
 """
@@ -221,13 +221,18 @@ class ChatRagspec(_RagspecModelMixin, BaseChatModel):
 class RagspecRetriever(BaseRetriever):
     """Search a ragspec index: `k` chunks as Documents (metadata: source path, chunk id, char start/end, score).
 
-    `k` is a constructor argument and a per-call override: `retriever.invoke(query, k=3)`."""
+    `k` is a constructor argument and a per-call override: `retriever.invoke(query, k=3)`. So is a metadata
+    filter, in LangChain's usual shape: `search_kwargs={"k": 3, "filter": {"path": "tutorial/*", "year":
+    {"$gte": 2020}}}` or `invoke(query, filter=...)`; it is applied inside the search, not after it.
+    `search_kwargs={"diversity": 0.5}` (or `search_type="mmr"`, diversity 0.5 unless given) turns on MMR."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     index: str
     k: int = 5
     mode: str = "hybrid"
+    search_type: str = "similarity"
+    search_kwargs: dict = Field(default_factory=dict)
     _retriever: Any = PrivateAttr(default=None)
 
     def _backend(self):
@@ -236,18 +241,31 @@ class RagspecRetriever(BaseRetriever):
         return self._retriever
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
-                                k: int | None = None) -> list[Document]:
-        hits = self._backend().search(query, top_n=k or self.k)
+                                k: int | None = None, filter: Any = None) -> list[Document]:
+        kw = self.search_kwargs
+        unknown = set(kw) - {"k", "filter", "diversity", "fetch_k", "lambda_mult"}
+        if unknown:
+            raise ValueError(f"unknown search_kwargs key '{sorted(unknown)[0]}' (k, filter, diversity)")
+        diversity = kw.get("diversity")
+        if diversity is None and "lambda_mult" in kw:
+            diversity = 1.0 - float(kw["lambda_mult"])  # LangChain's MMR weight of relevance
+        if diversity is None and self.search_type == "mmr":
+            diversity = 0.5
+        hits = self._backend().search(query, top_n=k or kw.get("k") or self.k,
+                                      filter=filter if filter is not None else kw.get("filter"), diversity=diversity)
         return [Document(page_content=h.text, id=str(h.chunk_id),
                          metadata={"source": h.path, "chunk_id": h.chunk_id, "start": h.start, "end": h.end,
-                                   "score": h.score, "rank": h.rank, "title": h.title, "key": h.key})
+                                   "score": h.score, "rank": h.rank, "title": h.title, "key": h.key,
+                                   "locations": [{"source": l.path, "key": l.key, "start": l.start, "end": l.end}
+                                                 for l in h.locations]})
                 for h in hits]
 
     async def _aget_relevant_documents(self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun,
-                                       k: int | None = None) -> list[Document]:
+                                       k: int | None = None, filter: Any = None) -> list[Document]:
         import asyncio
 
-        return await asyncio.to_thread(self._get_relevant_documents, query, run_manager=run_manager, k=k)
+        return await asyncio.to_thread(self._get_relevant_documents, query, run_manager=run_manager, k=k,
+                                       filter=filter)
 
 
 _retrievers: dict[tuple[str, str], Any] = {}

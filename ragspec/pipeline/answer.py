@@ -34,7 +34,9 @@ class AnswerStats:
 def source_json(s: SourceText) -> dict:
     return {"source": s.number, "path": s.path, "start": s.start, "end": s.end, "score": round(s.score, 6),
             "key": s.key, "title": s.title, "chunk_id": s.chunk_id, "document_id": s.document_id, "lines": list(s.lines) if s.lines else None,
-            "text": s.text}
+            "text": s.text,
+            "locations": [{"path": l.path, "key": l.key, "start": l.start, "end": l.end, "document_id": l.document_id,
+                           "kind": l.kind} for l in s.locations]}
 
 
 @dataclass

@@ -12,7 +12,9 @@ for the next citation (its source, if it is one of them), else takes the previou
 the source the accepted draft tokens were copied from, else the best-ranked. (On QuoteSum the neighbouring
 citations are the better evidence: the trie's occurrence choice is frequency-ranked, not source-aware.)
 
-Offsets: `start`/`end` index the document, and `document_text[start:end] == quote` exactly. The answer's span
+Offsets: `start`/`end` index the document, and `document_text[start:end] == quote` exactly. A source found in
+several places (copies of one paragraph, chunks contained in it) gives each citation every location whose text
+holds the quote's words in order, the source's own first, each with its own exact slice. The answer's span
 `answer_text[answer_start:answer_end]` has the same words and punctuation; only whitespace between them may
 differ (a line break in the source can be a space in the answer).
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 import bisect
 import re
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ragspec.pipeline.prompt import SourceText
 
@@ -40,9 +42,38 @@ class Citation:
     answer_start: int  # character offsets into the answer text
     answer_end: int
     key: str = ""  # JSON record id for record-style documents
+    # every place the quote is found, this one first: {"path", "key", "start", "end", "quote", "document_id"}
+    locations: list = field(default_factory=list)
 
     def as_json(self) -> dict:
         return asdict(self)
+
+
+def word_span(text: str, words: list[str]) -> tuple[int, int] | None:
+    """(start, end) of the first place in `text` where `words` occur in order with only whitespace between."""
+    found = [(m.group(), m.start(), m.end()) for m in WORD.finditer(text)]
+    tokens = [w for w, _, _ in found]
+    n = len(words)
+    for i in range(len(tokens) - n + 1):
+        if tokens[i:i + n] == words:
+            return found[i][1], found[i + n - 1][2]
+    return None
+
+
+def quote_locations(src: SourceText, c0: int, c1: int) -> list[dict]:
+    """The quote `src.text[c0:c1]` in every location of its source that holds it (the source's own first)."""
+    quote = src.text[c0:c1]
+    out = [{"path": src.path, "key": src.key, "start": src.start + c0, "end": src.start + c1, "quote": quote,
+            "document_id": src.document_id}]
+    words = WORD.findall(quote)
+    for loc in src.locations[1:]:
+        span = word_span(loc.text, words)
+        if span is not None and not any(o["document_id"] == loc.document_id and o["start"] == loc.start + span[0]
+                                        for o in out):
+            a, b = span
+            out.append({"path": loc.path, "key": loc.key, "start": loc.start + a, "end": loc.start + b,
+                        "quote": loc.text[a:b], "document_id": loc.document_id})
+    return out
 
 
 class CopyMatcher:
@@ -182,7 +213,8 @@ class CopyMatcher:
         num, c0, _ = self.where[p]
         _, _, c1 = self.where[p + len(run) - 1]
         src = self.sources[num]
-        cit = Citation(num, src.path, src.start + c0, src.start + c1, src.text[c0:c1], run[0][0], run[-1][1], src.key)
+        cit = Citation(num, src.path, src.start + c0, src.start + c1, src.text[c0:c1], run[0][0], run[-1][1], src.key,
+                       quote_locations(src, c0, c1))
         self.last_source = num
         self.citations.append(cit)
         return cit

@@ -119,10 +119,11 @@ class Pipeline:
         return PromptBuilder(self.tokenizer, p.style, p.system, budget)
 
     # -- retrieval -------------------------------------------------------------------------------------------
-    def retrieve(self, question: str) -> tuple[list[SourceText], float]:
-        """The top-n chunks as numbered sources, and the retrieval time in ms."""
+    def retrieve(self, question: str, filter=None) -> tuple[list[SourceText], float]:
+        """The top-n distinct sources as numbered sources, and the retrieval time in ms. `filter`: a metadata
+        filter for this question (default: `retriever.filter` of the spec)."""
         t = time.perf_counter()
-        hits = self.retriever.search(question)
+        hits = self.retriever.search(question, filter=filter)
         ms = (time.perf_counter() - t) * 1000
         store = self.retriever.index.store
         out = []
@@ -131,7 +132,7 @@ class Pipeline:
             first = doc.count("\n", 0, h.start) + 1
             lines = (first, first + doc.count("\n", h.start, max(h.start, h.end - 1)))
             out.append(SourceText(h.rank, h.text, h.path, h.start, h.end, h.title, h.key, h.score, h.chunk_id,
-                                  h.document_id, lines))
+                                  h.document_id, lines, list(h.locations)))
         return out, ms
 
     # -- answering -------------------------------------------------------------------------------------------
@@ -146,17 +147,18 @@ class Pipeline:
     def stream(self, question: str, *, documents: "Iterable[str | SourceText] | None" = None,
                max_new_tokens: int | None = None, stop: "Iterable[str] | None" = None,
                temperature: float | None = None, history: "list[dict] | None" = None,
-               instructions: str | None = None) -> Iterator[Event]:
+               instructions: str | None = None, filter=None) -> Iterator[Event]:
         """Events: SourcesEvent, then TextEvent and CitationEvent as they happen, then DoneEvent(answer).
 
         `documents` replaces retrieval with the given passages (strings or SourceText). `history`: earlier turns
         of a conversation ({"role": "user"|"assistant", "content"}, first a user turn); the sources go in the
-        first user turn. `instructions` are appended to the system instruction."""
+        first user turn. `instructions` are appended to the system instruction. `filter`: a metadata filter for
+        the retrieval (see `Retriever.search`)."""
         t_start = time.perf_counter()
         if not question or not question.strip():
             raise RagspecError("the question is empty")
         if documents is None:
-            sources, retrieval_ms = self.retrieve(question)
+            sources, retrieval_ms = self.retrieve(question, filter)
         else:
             sources, retrieval_ms = as_sources(documents), 0.0
         max_new = max_new_tokens or self.spec.generator.max_new_tokens

@@ -38,6 +38,9 @@ class SourceText:
     chunk_id: int = -1
     document_id: int = -1
     lines: tuple[int, int] | None = None  # 1-based first and last line of the chunk in its document
+    # every place this text is found, this one first (retrieve.sources.Location: copies in other documents,
+    # chunks mostly contained in it); a citation names each one whose text holds the quote
+    locations: list = field(default_factory=list)
 
     def __post_init__(self):
         if not self.end:

@@ -43,11 +43,17 @@ class BM25Index:
         self._model = bm25s.BM25.load(str(folder))
         self._n = int(self._model.scores["num_docs"])
 
-    def search(self, query: str, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, query: str, k: int, allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """`allowed`: chunk ids a filter lets through; the others score 0 inside bm25s (a mask, not a
+        post-filter, so a selective filter still gets its top k)."""
         tokens = tokenize([query])
-        if not tokens[0] or self._n == 0:
+        if not tokens[0] or self._n == 0 or (allowed is not None and len(allowed) == 0):
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
-        ids, scores = self._model.retrieve(tokens, k=min(k, self._n), show_progress=False)
+        mask = None
+        if allowed is not None:
+            mask = np.zeros(self._n, dtype=np.float32)
+            mask[allowed] = 1.0
+        ids, scores = self._model.retrieve(tokens, k=min(k, self._n), show_progress=False, weight_mask=mask)
         ids, scores = ids[0], scores[0]
         keep = scores > 0
         return ids[keep].astype(np.int64), scores[keep].astype(np.float32)

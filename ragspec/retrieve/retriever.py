@@ -1,4 +1,5 @@
-"""Retrieval stages over one index: dense top-k, BM25, reciprocal-rank fusion, optional cross-encoder."""
+"""Retrieval stages over one index: dense top-k, BM25 (both restricted by a metadata filter inside the search),
+reciprocal-rank fusion, optional cross-encoder, optional MMR, then distinct sources (`sources`)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,21 @@ import numpy as np
 
 from ragspec.errors import RagspecError
 from ragspec.index.reader import Index
+from ragspec.retrieve.filters import as_filter
 from ragspec.retrieve.fusion import rrf
+from ragspec.retrieve.mmr import mmr
+from ragspec.retrieve.sources import Location, group_candidates
 from ragspec.settings import RetrieverSettings
+
+MMR_POOL = 4  # MMR reorders the best top_n × this fused candidates (at least 20)
 
 
 @dataclass
 class Hit:
-    """One retrieved chunk. `start`/`end` are character offsets into the document text (for plain-text files:
-    into the file as `open(path, newline="").read()` returns it)."""
+    """One source: a retrieved chunk, or neighbouring chunks of one document merged into one span. `start`/`end`
+    are character offsets into the document text (for plain-text files: into the file as
+    `open(path, newline="").read()` returns it). `locations` lists every place the text is found, this one
+    first: copies of it in other documents, and chunks mostly contained in it."""
 
     rank: int
     score: float
@@ -30,10 +38,16 @@ class Hit:
     end: int
     text: str
     stages: dict = field(default_factory=dict)  # per-stage scores, e.g. {"dense": .81, "bm25": 12.3}
+    chunk_ids: list[int] = field(default_factory=list)  # the chunks this span covers
+    locations: list[Location] = field(default_factory=list)  # [0] is this span; paths as given to `ragspec index`
 
     def as_json(self) -> dict:
         d = asdict(self)
-        return {k: d[k] for k in ("rank", "score", "path", "start", "end", "text", "chunk_id", "key", "title", "stages")}
+        out = {k: d[k] for k in ("rank", "score", "path", "start", "end", "text", "chunk_id", "key", "title",
+                                 "stages", "document_id", "chunk_ids")}
+        out["locations"] = [{"path": l.path, "key": l.key, "start": l.start, "end": l.end, "document_id": l.document_id,
+                             "chunk_ids": list(l.chunk_ids), "kind": l.kind} for l in self.locations]
+        return out
 
 
 class Retriever:
@@ -81,17 +95,19 @@ class Retriever:
         with self._lock:
             return emb.encode([query])[0]
 
-    def dense(self, query: str | np.ndarray, k: int) -> list[tuple[int, float]]:
+    def dense(self, query: str | np.ndarray, k: int, allowed: np.ndarray | None = None) -> list[tuple[int, float]]:
         from ragspec.index import faiss_index
 
+        if allowed is not None and len(allowed) == 0:
+            return []
         vec = self.embed_query(query) if isinstance(query, str) else query
-        scores, ids = faiss_index.search(self.index.faiss, vec, k)
+        scores, ids = faiss_index.search(self.index.faiss, vec, k, allowed)
         return [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
 
-    def bm25(self, query: str, k: int) -> list[tuple[int, float]]:
+    def bm25(self, query: str, k: int, allowed: np.ndarray | None = None) -> list[tuple[int, float]]:
         if self.index.bm25 is None:
             return []
-        ids, scores = self.index.bm25.search(query, k)
+        ids, scores = self.index.bm25.search(query, k, allowed)
         return [(int(i), float(s)) for i, s in zip(ids, scores)]
 
     def rerank(self, query: str, candidates: list[tuple[int, float]]) -> list[tuple[int, float]]:
@@ -107,21 +123,32 @@ class Retriever:
         return sorted(zip([r.id for r in rows], scores), key=lambda x: -x[1])
 
     # -- the whole stage ---------------------------------------------------------------------------------
-    def candidates(self, query: str, k: int | None = None) -> tuple[list[tuple[int, float]], dict]:
-        """Fused first-stage candidates (id, score), best first, plus per-stage scores and timings."""
+    def allowed(self, flt) -> np.ndarray | None:
+        """Chunk ids a filter (any accepted form) keeps, None for no filter."""
+        flt = as_filter(flt)
+        return None if flt is None else self.index.allowed_chunks(flt)
+
+    def candidates(self, query: str, k: int | None = None, filter=None) -> tuple[list[tuple[int, float]], dict]:
+        """Fused first-stage candidates (id, score), best first, plus per-stage scores and timings. `filter`
+        (default: the settings' filter) restricts both stages inside their search."""
         k = k or self.settings.top_k
         per_stage: dict[str, dict[int, float]] = {}
         timings: dict[str, float] = {}
         rankings = []
+        t = time.perf_counter()
+        allowed = self.allowed(self.settings.filter if filter is None else filter)
+        if allowed is not None:
+            timings["filter_ms"] = (time.perf_counter() - t) * 1000
         if self.settings.mode in ("hybrid", "dense"):
             t = time.perf_counter()
-            d = self.dense(query, k)
+            query_vec = self.embed_query(query)
+            d = self.dense(query_vec, k, allowed)
             timings["dense_ms"] = (time.perf_counter() - t) * 1000
             per_stage["dense"] = dict(d)
             rankings.append([i for i, _ in d])
         if self.settings.mode in ("hybrid", "bm25") and self.index.bm25 is not None:
             t = time.perf_counter()
-            b = self.bm25(query, k)
+            b = self.bm25(query, k, allowed)
             timings["bm25_ms"] = (time.perf_counter() - t) * 1000
             per_stage["bm25"] = dict(b)
             rankings.append([i for i, _ in b])
@@ -130,23 +157,49 @@ class Retriever:
             fused = list(per_stage[name].items())
         else:
             fused = rrf(rankings, self.settings.rrf_k)[:k]
-        return fused, {"stages": per_stage, "timings": timings}
+        info = {"stages": per_stage, "timings": timings, "allowed": allowed}
+        if self.settings.mode in ("hybrid", "dense"):
+            info["query_vector"] = query_vec
+        return fused, info
 
-    def search(self, query: str, top_n: int | None = None, top_k: int | None = None) -> list[Hit]:
+    def diversify(self, query: str, ranked: list[tuple[int, float]], top_n: int, info: dict,
+                  diversity: float) -> list[tuple[int, float]]:
+        """MMR over the best `MMR_POOL × top_n` candidates with their stored embeddings; the rest keep their
+        order behind them."""
+        pool = max(MMR_POOL * top_n, 20)
+        head, tail = ranked[:pool], ranked[pool:]
+        if diversity <= 0 or len(head) < 2:
+            return ranked
+        q = info.get("query_vector")
+        if q is None:
+            q = self.embed_query(query)
+        vecs = np.asarray(self.index.embeddings[[c for c, _ in head]], dtype=np.float32)
+        return [head[i] for i in mmr(q, vecs, diversity)] + tail
+
+    def search(self, query: str, top_n: int | None = None, top_k: int | None = None, filter=None,
+               diversity: float | None = None) -> list[Hit]:
+        """The `top_n` best distinct sources. `filter`: a metadata filter (dict or --where strings; default the
+        settings' one); `diversity`: MMR strength (default the settings')."""
         if not query or not query.strip():
             raise RagspecError("the query is empty")
         top_n = top_n or self.settings.top_n
-        fused, info = self.candidates(query, top_k)
+        fused, info = self.candidates(query, top_k, filter)
         if self.settings.reranker:
             t = time.perf_counter()
             fused = self.rerank(query, fused)
             info["timings"]["rerank_ms"] = (time.perf_counter() - t) * 1000
-        fused = fused[:top_n]
-        rows = {r.id: r for r in self.index.store.chunks([i for i, _ in fused])}
+        fused = self.diversify(query, fused, top_n, info,
+                               self.settings.diversity if diversity is None else diversity)
+        store = self.index.store
+        groups = group_candidates(fused, store, top_n, store.document_text, self.settings.merge,
+                                  self.settings.containment)
         hits = []
-        for rank, (cid, score) in enumerate(fused, 1):
-            r = rows[cid]
+        for rank, g in enumerate(groups, 1):
+            p = g.primary
+            cid = p.chunk_ids[0]
             stages = {name: round(s[cid], 6) for name, s in info["stages"].items() if cid in s}
-            hits.append(Hit(rank, float(score), cid, r.document, self.index.source_path(r.path), r.key, r.title,
-                            r.start, r.end, r.text, stages))
+            locations = [Location(l.document_id, self.index.source_path(l.path), l.key, l.title, l.start, l.end,
+                                  l.text, list(l.chunk_ids), l.kind) for l in g.locations]
+            hits.append(Hit(rank, float(g.score), cid, p.document_id, locations[0].path, p.key, p.title, p.start,
+                            p.end, p.text, stages, list(p.chunk_ids), locations))
         return hits

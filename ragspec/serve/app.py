@@ -297,7 +297,7 @@ def create_app(server: Server) -> FastAPI:
 
         def read():
             try:
-                row, text = index.store.document_full(document_id)
+                row, text, *_ = index.store.document_full(document_id)
             except (KeyError, TypeError):
                 return None
             return {"id": row.id, "path": index.source_path(row.path), "key": row.key, "title": row.title,
@@ -310,7 +310,10 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/search", dependencies=v1)
     async def search(req: SearchRequest):
-        hits = await asyncio.to_thread(server.pipe.retriever.search, req.query, top_n=req.k)
+        try:
+            hits = await asyncio.to_thread(server.pipe.retriever.search, req.query, top_n=req.k, filter=req.filter)
+        except RagspecError as exc:  # a filter naming an unknown field, or one that cannot be read
+            raise ApiError(400, str(exc)) from None
         return {"index": server.index_label, "query": req.query, "results": [h.as_json() for h in hits]}
 
     # -- /v1/ask -----------------------------------------------------------------------------------------

@@ -146,6 +146,7 @@ class AskRequest(_Strict):
 class SearchRequest(_Strict):
     query: str = Field(min_length=1)
     k: int = Field(5, ge=1, le=100)
+    filter: dict | list[str] | str | None = None  # metadata filter: LangChain's dict shape or --where strings
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None,

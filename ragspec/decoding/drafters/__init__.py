@@ -35,7 +35,7 @@ def make_drafter(name: str, model=None, tokenizer=None, **params) -> Drafter:
     """A drafter by method name; `params` are its constructor arguments (from the pipeline spec).
     `pldplus-a` without `heads` calibrates induction heads once per model (cached), which needs the tokenizer."""
     if name in METHODS:
-        check_params(name, params)
+        check_params(name, {k: v for k, v in params.items() if k != "memory"})
     if name == "none":
         return NoDraft()
     if name == "pld":

@@ -24,7 +24,7 @@ from ragspec.decoding.drafters.suffix_automaton import Matcher, SuffixAutomaton
 from ragspec.decoding.tree import DraftTree
 
 LENGTH_EDGES = (2, 3, 4, 6, 9, 13, 21)  # groups of matched-context length: 1, 2, 3, 4-5, 6-8, 9-12, 13-20, 21+
-MEMORY_GROUP = len(LENGTH_EDGES) + 1  # groups from this one on: drafted from an earlier answer
+MEMORY_GROUP = len(LENGTH_EDGES) + 1  # drafted from an earlier answer
 
 
 def length_group(n: int) -> int:
@@ -44,8 +44,10 @@ class SuffixDrafter:
     name = "suffix"
     hidden_layer = None
 
-    def __init__(self, max_occurrences: int = 64, levels: int = 3, min_prob: float = 0.01, memory=None):
+    def __init__(self, max_occurrences: int = 64, levels: int = 3, min_prob: float = 0.01, context_weight: float = 4.0,
+                 memory=None):
         self.max_occurrences = max_occurrences
+        self.context_weight = context_weight  # an occurrence in the prompt (the sources) counts this many times
         self.levels = levels  # how many match lengths (the longest, then its suffix links) give occurrences
         self.min_prob = min_prob  # grow no node whose path confidence is below this
         self.memory = memory
@@ -105,28 +107,38 @@ class SuffixDrafter:
         # so a parent is always placed before its children and the tree is the `budget` most likely nodes)
         heap: list = []
         tick = 0
-        expand_args = (self._sam.tokens, self._mem[0].tokens if self._mem is not None else None, state.prompt_len)
-        root = [(p, float(m * m), m, mem) for p, m, mem in occ]
-        for cand in self._children(root, 0, 1.0, *expand_args):
-            heapq.heappush(heap, (-cand[0], 1, tick, -1, cand))
+        cw = self.context_weight
+        root = [(p, float(m * m) * (cw if p <= state.prompt_len and not mem else 1.0), m, mem) for p, m, mem in occ]
+        for cand in self._children(root, (), 1.0, state.prompt_len):
+            heapq.heappush(heap, (-cand[0], 1, tick, -1, (), cand))
             tick += 1
         while heap and len(tree) < budget:
-            _, depth, _, parent, (path, tok, source, conf, group, sub) = heapq.heappop(heap)
+            _, depth, _, parent, drafted, (path, tok, source, conf, group, sub) = heapq.heappop(heap)
             node = tree.add(parent, tok, source, conf, group)
-            for cand in self._children(sub, depth, path, *expand_args):
-                heapq.heappush(heap, (-cand[0], depth + 1, tick, node, cand))
+            drafted = drafted + (tok,)
+            for cand in self._children(sub, drafted, path, state.prompt_len):
+                heapq.heappush(heap, (-cand[0], depth + 1, tick, node, drafted, cand))
                 tick += 1
         return tree
 
-    def _children(self, occ, depth, path, seq, mem_tokens, prompt_len):
+    def _children(self, occ, drafted, path, prompt_len):
         """The next tokens after a node reached by the occurrences `occ` (next position, weight, matched
-        length, from memory): (path confidence, token, source, confidence, group, their occurrences)."""
+        length, from memory) along the tokens `drafted` so far: (path confidence, token, source, confidence,
+        group, their occurrences). A context occurrence that runs into the end of the sequence goes on with
+        the draft itself (a repeating stretch drafts its next period too)."""
+        seq = self._sam.tokens
+        mem_tokens = self._mem[0].tokens if self._mem is not None else ()
+        n = len(seq)
         total = sum(o[1] for o in occ)
+        depth = len(drafted)
         by_token: dict[int, list] = {}
         for p, w, m, mem in occ:
-            toks = mem_tokens if mem else seq
-            if p < len(toks) and toks[p] >= 0:  # memory entries end in a negative separator
-                by_token.setdefault(toks[p], []).append((p + 1, w, m, mem))
+            if mem:
+                tok = mem_tokens[p] if p < len(mem_tokens) else -1  # entries end in a negative separator
+            else:
+                tok = seq[p] if p < n else drafted[p - n]
+            if tok >= 0:
+                by_token.setdefault(tok, []).append((p + 1, w, m, mem))
         out = []
         for tok, sub in by_token.items():
             matched = max(o[2] for o in sub) + depth
