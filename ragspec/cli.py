@@ -370,8 +370,11 @@ def bench(
     limit: Optional[int] = typer.Option(None, "--limit"),
     offset: int = typer.Option(0, "--offset", help="skip the category's first N prompts (a held-out fold)"),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", "--model"),
-    methods: str = typer.Option("vanilla,hf-pld,pld,trie,suffix,oracle", "--methods",
-                                help="vanilla, hf-pld, none, pld, trie, suffix, pldplus-h, pldplus-a, oracle (the ceiling)"),
+    methods: Optional[str] = typer.Option(None, "--methods",
+                                          help="vanilla, hf-pld (llama-pld with --backend llama.cpp), none, pld, trie, "
+                                               "suffix, pldplus-h, pldplus-a, oracle (the ceiling); default: "
+                                               "vanilla,<peer>,pld,trie,suffix,oracle"),
+    backend: str = typer.Option("transformers", "--backend", help="transformers or llama.cpp (the GGUF as shipped)"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     budget: str = typer.Option("auto", "--budget", help="draft tree size: auto (cost-aware) or a number"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the result JSON here"),
@@ -388,11 +391,20 @@ def bench(
         if not prompts.exists():
             raise RagspecError(f"{prompts} does not exist")
         rows = load_prompts(prompts, category, limit, offset)
-        lm, tok = load_generator(model)
+        if backend not in ("transformers", "llama.cpp"):
+            raise RagspecError(f"--backend must be transformers or llama.cpp, not '{backend}'")
+        if backend == "llama.cpp":
+            from ragspec.models.generator import load_llama_generator
+
+            lm, tok = load_llama_generator(model)
+        else:
+            lm, tok = load_generator(model)
+        peer = "llama-pld" if backend == "llama.cpp" else "hf-pld"
+        chosen = methods or f"vanilla,{peer},pld,trie,suffix,oracle"
         b = budget if budget == "auto" else int(budget)
         with progress() as bar:
             task = bar.add_task(f"{category} × {len(rows)}", total=len(rows))
-            result = run_bench(lm, tok, rows, [m.strip() for m in methods.split(",") if m.strip()], max_new_tokens,
+            result = run_bench(lm, tok, rows, [m.strip() for m in chosen.split(",") if m.strip()], max_new_tokens,
                                b, progress=lambda: bar.advance(task), model_name=model, category=category,
                                on_prompt=(lambda r: _write_json_atomic(json_out, r)) if json_out else None)
         if plot_out:
@@ -400,7 +412,7 @@ def bench(
         from rich.console import Console
         from rich.table import Table
 
-        t = Table(title=f"{model} — {category}, {len(rows)} prompts, {max_new_tokens} new tokens")
+        t = Table(title=f"{model} ({backend}) — {category}, {len(rows)} prompts, {max_new_tokens} new tokens")
         for col in ("method", "tok/s", "decode tok/s", "speed-up", "of ceiling", "tok/step", "nodes/step",
                     "draft · inputs · forward · accept · trim (ms/step)", "identical", "mem MB"):
             t.add_column(col, justify="left" if col == "method" else "right")

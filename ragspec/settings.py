@@ -76,6 +76,10 @@ class PromptSettings(Strict):
 
 class GeneratorSettings(Strict):
     model: str = Field(DEFAULT_GENERATOR, description="embedded name, HF id or folder of a causal LM")
+    backend: Literal["transformers", "llama.cpp"] = Field(
+        "transformers", description="what runs the model: transformers (PyTorch), or llama.cpp (the GGUF as shipped; "
+        "needs llama-cpp-python, built by `make install`; no PLD+ drafting)"
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: float32 on CPU, bfloat16 on CUDA"

@@ -1,4 +1,6 @@
 """`ragspec bench`: vanilla HF greedy, HF prompt lookup and ragspec's drafters on Spec-Bench prompts.
+With the llama.cpp backend, vanilla is llama.cpp's own greedy decoding and the peer row `llama-pld` is
+llama-cpp-python's `LlamaPromptLookupDecoding`.
 
 Methods run interleaved per prompt after a warm-up, in one process, on the same chat-templated prompt.
 Every output is compared with vanilla greedy token by token; a divergence is reported with its position and
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ragspec.decoding.backends import is_llama
 from ragspec.decoding.budget import AdaptiveBudget, calibrate
 from ragspec.decoding.drafters import METHODS, make_drafter
 from ragspec.decoding.drafters.base import DraftState
@@ -22,6 +25,8 @@ from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.errors import RagspecError
 
 HF_METHODS = ("vanilla", "hf-pld")
+LLAMA_METHODS = ("vanilla", "llama-pld")
+PEERS = HF_METHODS + LLAMA_METHODS  # rows that do not run through ragspec's loop
 CEILING = "oracle"  # knows vanilla's output: the best any context drafter can do here (drafters/oracle.py)
 STEP_PARTS = ("draft", "inputs", "forward", "accept", "trim")
 
@@ -73,7 +78,36 @@ def hf_generate(model, prompt: list[int], max_new: int, eos: list[int], lookup: 
     return out[0, len(prompt):].tolist(), (time.perf_counter() - t) * 1000
 
 
+def llama_generate(model, prompt: list[int], max_new: int, eos: list[int], lookup: int = 0) -> tuple[list[int], float]:
+    """llama.cpp's greedy decoding (`LlamaCppModel.greedy`), or with `lookup`, llama-cpp-python's high-level
+    `Llama` with `LlamaPromptLookupDecoding` drafting `lookup` tokens (greedy: top_k=1)."""
+    if not lookup:
+        t = time.perf_counter()
+        toks = model.greedy(prompt, max_new, set(eos))
+        return toks, (time.perf_counter() - t) * 1000
+    peer = getattr(model, "_pld_peer", None)
+    if peer is None:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        peer = model._pld_peer = Llama(str(model.path), n_ctx=model.n_ctx, n_batch=model.n_batch,
+                                       n_threads=model.n_threads, n_threads_batch=model.n_threads, verbose=False,
+                                       draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup))
+    out = []
+    t = time.perf_counter()
+    for tok in peer.generate(prompt, top_k=1, temp=0.0, reset=True):
+        out.append(int(tok))
+        if tok in eos or len(out) >= max_new:
+            break
+    return out, (time.perf_counter() - t) * 1000
+
+
 def prefill_ms(model, prompt: list[int]) -> float:
+    if is_llama(model):
+        t = time.perf_counter()
+        model.clear()
+        model.feed(prompt, 0, last_logits=True)
+        return (time.perf_counter() - t) * 1000
     ids = torch.tensor([prompt], device=model.device)
     t = time.perf_counter()
     with torch.inference_mode():
@@ -82,6 +116,13 @@ def prefill_ms(model, prompt: list[int]) -> float:
 
 
 def top2_margin(model, prompt: list[int], prefix: list[int]) -> float:
+    if is_llama(model):
+        import numpy as np
+
+        model.clear()
+        model.feed(prompt + prefix, 0, last_logits=True)
+        row = np.sort(model.row((len(prompt + prefix) - 1) % model.n_batch))
+        return float(row[-1] - row[-2])
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([prompt + prefix], device=model.device), logits_to_keep=1).logits[0, -1]
     top = torch.topk(logits.float(), 2).values
@@ -119,15 +160,16 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
               on_prompt=None) -> dict:
     """Run every method on every prompt, interleaved; `on_prompt(result_so_far)` after each prompt lets a long
     run keep its figures if it is stopped ("complete": false until the last prompt)."""
-    unknown = [m for m in methods if m not in HF_METHODS and m not in METHODS and m != CEILING]
+    peers = LLAMA_METHODS if is_llama(model) else HF_METHODS
+    unknown = [m for m in methods if m not in peers and m not in METHODS and m != CEILING]
     if unknown:
-        raise RagspecError(f"unknown bench method(s): {', '.join(unknown)}")
+        raise RagspecError(f"unknown bench method(s) for this backend: {', '.join(unknown)} (peers: {', '.join(peers)})")
     if "vanilla" not in methods:
         methods = ["vanilla"] + methods
     eos = sorted(SpeculativeGenerator(model, tokenizer).eos)
     cost = calibrate(model) if budget == "auto" else None
-    budgets = {m: (AdaptiveBudget(cost) if cost else int(budget)) for m in methods if m not in HF_METHODS}
-    drafters = {m: make_drafter(m, model, tokenizer) for m in methods if m not in HF_METHODS}
+    budgets = {m: (AdaptiveBudget(cost) if cost else int(budget)) for m in methods if m not in PEERS}
+    drafters = {m: make_drafter(m, model, tokenizer) for m in methods if m not in PEERS}
     if CEILING in drafters:  # the oracle sizes its own chain (it knows every token will be accepted)
         drafters[CEILING].cost = cost
         budgets[CEILING] = 256
@@ -136,14 +178,15 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
     for m in methods:
         _run_one(m, model, tokenizer, warm, 8, eos, drafters, budgets)
     memory = {m: drafter_memory_mb(m, model, tokenizer) for m in methods
-              if m not in HF_METHODS and m not in ("none", CEILING)}
+              if m not in PEERS and m not in ("none", CEILING)}
     acc = defaultdict(lambda: defaultdict(float))
     hist = defaultdict(list)
     divergences = defaultdict(list)
     identical = defaultdict(int)
     head = {"model": model_name, "category": category, "max_new_tokens": max_new_tokens,
             "budget": budget if isinstance(budget, int) else "auto", "cost_model": cost.as_dict() if cost else None,
-            "cpu": cpu_info(), "device": str(model.device)}
+            "cpu": cpu_info(), "device": str(getattr(model, "device", "cpu")),
+            "backend": "llama.cpp" if is_llama(model) else "transformers"}
 
     def summary(done: int) -> dict:
         return _summarize(acc, hist, divergences, identical, memory, methods, done, len(prompts), head)
@@ -220,6 +263,9 @@ def _summarize(acc, hist, divergences, identical, memory, methods, done, total, 
 
 
 def _run_one(m, model, tokenizer, prompt, max_new, eos, drafters, budgets):
+    if m in LLAMA_METHODS and is_llama(model):
+        toks, ms = llama_generate(model, prompt, max_new, eos, lookup=10 if m == "llama-pld" else 0)
+        return toks, ms, None
     if m == "vanilla":
         toks, ms = hf_generate(model, prompt, max_new, eos)
         return toks, ms, None

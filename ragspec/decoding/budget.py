@@ -15,9 +15,7 @@ nodes that accepted 8–9 tokens per step but ran slower than 9-node PLD chains.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,56 +49,30 @@ class CostModel:
 
 
 def _model_key(model) -> str:
-    cfg = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else str(model.config)
-    dev = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    import torch
+    """The calibration cache key of a loaded model (its backend decides what goes in it)."""
+    from ragspec.decoding.backends import backend_class
 
-    threads = torch.get_num_threads() if dev.type == "cpu" else 0
-    h = hashlib.sha256(cfg.encode()).hexdigest()[:12]
-    packed = "-packed" if getattr(model, "ragspec_packed_linears", 0) else ""  # other kernels, other costs
-    return f"{getattr(model.config, 'model_type', 'model')}-{h}-{dev.type}-{str(dtype).split('.')[-1]}-t{threads}{packed}"
+    return backend_class(model).cost_key(model)
 
 
 def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | None = None, force: bool = False,
               sizes=SIZES) -> CostModel:
-    """Measure (or load) t(n): the median wall time of a forward of n tokens over a `context`-token cache."""
-    import torch
-    from transformers import DynamicCache
+    """Measure (or load) t(n): the median wall time of a forward of n tokens over a `context`-token cache.
+    The model's backend measures (transformers or llama.cpp); the cache file is keyed by its `cost_key`."""
+    from ragspec.decoding.backends import backend_class
 
+    backend = backend_class(model)
     folder = cache_dir or ragspec_home() / "calibration"
-    path = folder / f"{_model_key(model)}.json"
+    path = folder / f"{backend.cost_key(model)}.json"
     if path.exists() and not force:
         data = json.loads(path.read_text())
         return CostModel(data["sizes"], data["ms"])
-    dev = next(model.parameters()).device
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    ctx = torch.randint(100, min(vocab, 30000), (1, context), generator=gen).to(dev)
-    ms = []
-    with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        for n in sizes:
-            ids = torch.randint(100, min(vocab, 30000), (1, n), generator=gen).to(dev)
-            pos = torch.arange(context, context + n, device=dev)[None]
-            times = []
-            for _ in range(repeats + 1):
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                t = time.perf_counter()
-                model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append((time.perf_counter() - t) * 1000)
-                for layer in cache.layers:  # back to the context only
-                    layer.keys = layer.keys[:, :, :context]
-                    layer.values = layer.values[:, :, :context]
-            ms.append(sorted(times[1:])[len(times[1:]) // 2])
+    ms = backend.measure_costs(model, context, repeats, list(sizes))
     model_cost = CostModel(list(sizes), ms)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(model_cost.as_dict() | {"context": context, "key": path.stem}, indent=2))
+    tmp.write_text(json.dumps(model_cost.as_dict() | {"context": context, "key": path.stem, "backend": backend.name},
+                              indent=2))
     tmp.replace(path)
     return model_cost
 

@@ -8,12 +8,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
+from ragspec.decoding.backends import make_backend
 from ragspec.decoding.budget import AdaptiveBudget
 from ragspec.decoding.drafters.base import DraftState, Drafter, NoDraft, Segment
 from ragspec.decoding.tree import DraftTree
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.stream import IncrementalDecoder
-from ragspec.decoding.verifier import Verifier
 
 
 @dataclass
@@ -81,7 +81,10 @@ class SpeculativeGenerator:
         stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.tokens = []
         heads = tuple(getattr(self.drafter, "attention_heads", ()) or ())
-        verifier = Verifier(self.model, self.sampling, hidden_layer=self.drafter.hidden_layer, attention_heads=heads)
+        verifier = make_backend(self.model, self.sampling, hidden_layer=self.drafter.hidden_layer,
+                                attention_heads=heads)
+        if not getattr(verifier, "supports_prefix", True):
+            prefix = None  # a prefix store holds transformers caches
         try:
             yield from self._loop(verifier, prompt_ids, segments, stats, heads, prefix)
             if prefix is not None:

@@ -49,18 +49,42 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
     return model, tokenizer
 
 
+def load_llama_generator(name: str, n_ctx: int = 4096):
+    """(LlamaCppModel, tokenizer) for the llama.cpp backend: an embedded model's GGUF as shipped (its tokenizer
+    from the converted folder: the same vocabulary), or a local .gguf file (tokenizer read from the GGUF)."""
+    from pathlib import Path
+
+    from ragspec.decoding.backends.llama_cpp import LlamaCppModel
+
+    embedded = lookup(name, "generator")
+    if embedded is not None:
+        from transformers import AutoTokenizer
+
+        from ragspec.models.gguf_cache import gguf_path
+
+        tokenizer = AutoTokenizer.from_pretrained(generator_source(name))
+        return LlamaCppModel(gguf_path(embedded), n_ctx=n_ctx, name=embedded.name), tokenizer
+    path = Path(name).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        raise RagspecError(f"generator.backend llama.cpp needs an embedded model or a local .gguf file, not '{name}'")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return LlamaCppModel(path, n_ctx=n_ctx), tokenizer
+
+
 _shared: dict[tuple[str, str, str], tuple] = {}
 _shared_lock = threading.Lock()
 _model_locks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def shared_generator(name: str, device: str = "cpu", dtype: str = "float32"):
-    """`load_generator`, once per process for each (name, device, dtype): pipelines and LangChain objects that
-    name the same model share one copy of its weights."""
-    key = (name, device, dtype)
+def shared_generator(name: str, device: str = "cpu", dtype: str = "float32", backend: str = "transformers"):
+    """`load_generator` (or `load_llama_generator`), once per process for each (name, device, dtype, backend):
+    pipelines and LangChain objects that name the same model share one copy of its weights."""
+    key = (name, device, dtype) if backend == "transformers" else (name, backend, "")
     with _shared_lock:
         if key not in _shared:
-            _shared[key] = load_generator(name, device, dtype)
+            _shared[key] = load_generator(name, device, dtype) if backend == "transformers" else load_llama_generator(name)
         return _shared[key]
 
 

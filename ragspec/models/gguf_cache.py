@@ -131,3 +131,23 @@ def _convert(model: EmbeddedModel, target: Path) -> None:
         os.replace(out, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def gguf_path(model: EmbeddedModel) -> Path:
+    """The embedded model's GGUF as one file, for llama.cpp: the package's own file when it ships in one part,
+    else the parts assembled once into `$RAGSPEC_HOME/models/` (renamed into place when complete)."""
+    parts = part_paths(model)
+    if len(parts) == 1:
+        return parts[0]
+    target = ragspec_home() / "models" / f"{model.name}-{model.sha256[:12]}.gguf"
+    if target.is_file() and target.stat().st_size == model.size:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file() and target.stat().st_size == model.size:
+            return target
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        assemble_gguf(model, tmp)  # checks the sha256
+        os.replace(tmp, target)
+    return target

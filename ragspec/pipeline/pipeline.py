@@ -82,8 +82,11 @@ class Pipeline:
                 from ragspec.models.generator import shared_generator
 
                 g = self.spec.generator
+                if g.backend == "llama.cpp" and self.spec.drafting.method.startswith("pldplus"):
+                    raise RagspecError(f"drafting {self.spec.drafting.method} needs hidden states or attention rows, "
+                                       "which the llama.cpp backend does not give: use pld, trie, suffix or none")
                 dtype = g.dtype if g.dtype != "auto" else ("bfloat16" if self.device == "cuda" else "float32")
-                self._model, self._tokenizer = shared_generator(g.model, self.device, dtype)
+                self._model, self._tokenizer = shared_generator(g.model, self.device, dtype, g.backend)
             if self._tokenizer is None:
                 raise RagspecError("a model was given without its tokenizer")
             if self._cost is None and self.spec.drafting.budget == "auto" and self.spec.drafting.method != "none":

@@ -1,0 +1,60 @@
+"""What a verifier backend does, whatever runs the model: the loop (generate.py), drafters, budget, streaming
+and attribution see only this, so they never depend on torch or llama.cpp through the backend.
+
+A backend holds one model's KV state and the sequence decoded so far. `prefill` caches every prompt token but
+the last (the first step's root); `step` runs [root + tree] in one forward, accepts a path (accept.py) and
+keeps only that path in the cache; `calibrate` measures t(n), the forward time of n tokens, for the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from ragspec.decoding.tree import DraftTree
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]  # accepted draft tokens, then the bonus token
+    sources: list[int]  # per token: context position it was copied from, -1 for model-made tokens
+    accepted: int  # how many draft tokens were accepted (len(tokens) - 1)
+    tree_size: int
+    forward_ms: float
+    path: list[int] = field(default_factory=list)  # accepted node indices (= their ranks in the tree)
+    hidden: Any = None  # [1 + accepted, d] hidden states of the kept rows, if asked for (transformers only)
+    timings: dict = field(default_factory=dict)  # ms by part: inputs, forward, accept, trim
+
+    @property
+    def verify_ms(self) -> float:
+        """The whole step but drafting: inputs, forward, acceptance and cache trim."""
+        return sum(self.timings.values()) if self.timings else self.forward_ms
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One generation's verifier. `cached`: positions in the KV cache; `root`: the last accepted token."""
+
+    name: str
+    cached: int
+    root: int
+
+    def prefill(self, prompt_ids: list[int], prefix=None) -> float:
+        """Cache the prompt but its last token; returns ms."""
+
+    def step(self, tree: DraftTree) -> StepResult:
+        """Verify [root + tree] in one forward; keep the accepted path in the cache."""
+
+    def hidden_states(self):
+        """[cached, d] hidden states of the layer a drafter asked for (None where the backend has none)."""
+
+    def attention_row(self):
+        """The chosen heads' attention row of the last cached position (None where the backend has none)."""
+
+    def close(self) -> None:
+        """Free what the step holds (hooks, batches); the model stays loaded."""
+
+
+def tree_rows(tree: DraftTree) -> int:
+    """Rows one step runs: the root and every node."""
+    return 1 + len(tree)

@@ -1,0 +1,252 @@
+"""The transformers backend: today's tree verifier over a Hugging Face causal LM and its DynamicCache.
+
+One forward of [root + tree] with a 4-D tree mask; the cache then keeps the accepted path (only out-of-place
+rows move). It alone offers hidden states (PLD+ h) and attention rows (PLD+ a).
+"""
+
+from __future__ import annotations
+
+import time
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from ragspec.decoding.backends.accept import accept_greedy, accept_sampled, new_generator
+from ragspec.decoding.backends.base import StepResult
+from ragspec.decoding.sampling import SamplingSettings
+from ragspec.decoding.tree import DraftTree
+
+
+def sliding_window(config) -> int | None:
+    """The window of the model's sliding-window layers, if it has any (config.layer_types names them)."""
+    types = getattr(config, "layer_types", None) or ()
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window and "sliding_attention" in types else None
+
+
+@dataclass
+class TransformersBackend:
+    """Holds a model, its KV cache and the sequence decoded so far."""
+
+    name = "transformers"
+
+    model: object
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    hidden_layer: int | None = None  # keep this layer's hidden states of accepted positions (PLD+ h)
+    attention_heads: tuple = ()  # (layer, head) pairs whose attention row of the last accepted token PLD+ (a) reads
+
+    def __post_init__(self):
+        self.device = next(self.model.parameters()).device
+        self.dtype = next(self.model.parameters()).dtype
+        self._capture = None
+        self._attention = None  # [cached] max over the chosen heads of the last cached position's attention
+        self._gen = new_generator(self.sampling)
+
+    # -- prefill -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int], prefix=None) -> float:
+        """Cache every prompt token but the last, which becomes the first step's root. Returns ms.
+        `prefix`: a `prefix_cache.PrefixStore`; the longest cached prefix of the prompt is reused, not recomputed."""
+        from transformers import DynamicCache
+
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        # sliding-window layers (Gemma 3, Mistral-style) keep every key here, hidden by the mask instead: a
+        # windowed cache would drop keys our tree rows and cache trimming still index
+        self.window = sliding_window(self.model.config)
+        self.cache = DynamicCache() if self.window else DynamicCache(config=self.model.config)
+        self.cached = 0
+        self.root = int(prompt_ids[-1])
+        self._hidden = None  # [capacity, d] buffer of layer-`hidden_layer` states of cached positions
+        t = time.perf_counter()
+        # with attention heads to read, the last cached token runs alone with eager attention (its row is
+        # what the first step ranks by); the rest of the prompt keeps the fast attention kernel
+        split = len(prompt_ids) - 2 if self.attention_heads and len(prompt_ids) > 2 else len(prompt_ids) - 1
+        if prefix is not None and self.hidden_layer is None and not self.attention_heads:
+            cache, self.cached = prefix.lookup(prompt_ids, split)
+            self.cache = cache if cache is not None else self.cache
+        if split > self.cached:
+            ids = torch.tensor([prompt_ids[self.cached : split]], device=self.device)
+            out = self.model(
+                input_ids=ids,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+                output_hidden_states=self.hidden_layer is not None,
+            )
+            self.cached = split
+            if self.hidden_layer is not None:
+                self._append_hidden(out.hidden_states[self.hidden_layer][0])
+        if split < len(prompt_ids) - 1:
+            from ragspec.decoding.heads import AttentionCapture, eager_attention
+
+            self._capture = AttentionCapture(self.model, list(self.attention_heads))
+            ids = torch.tensor([prompt_ids[split : split + 1]], device=self.device)
+            with eager_attention(self.model):
+                out = self.model(input_ids=ids, position_ids=torch.tensor([[split]], device=self.device),
+                                 past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+                                 output_hidden_states=self.hidden_layer is not None)
+            if self.hidden_layer is not None:
+                self._append_hidden(out.hidden_states[self.hidden_layer][0], at=split)
+            self._attention = self._capture.rows[0].clone() if self._capture.rows is not None else None
+            self.cached = split + 1
+        return (time.perf_counter() - t) * 1000
+
+    # -- one step ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, tree: DraftTree) -> StepResult:
+        n = len(tree)
+        t0 = time.perf_counter()
+        ids = torch.tensor([[self.root] + tree.tokens], device=self.device)
+        pos = torch.tensor([tree.position_ids(self.cached)], device=self.device)
+        mask = tree.attention_mask(self.cached, self.dtype, self.device)
+        if self.window:  # one mask per layer type
+            mask = {"full_attention": mask,
+                    "sliding_attention": tree.attention_mask(self.cached, self.dtype, self.device, self.window)}
+        t1 = time.perf_counter()
+        if self._capture is not None:
+            from ragspec.decoding.heads import eager_attention
+
+            self._capture.reset()
+            with eager_attention(self.model):
+                out = self._forward(ids, pos, mask)
+        else:
+            out = self._forward(ids, pos, mask)
+        logits = out.logits[0]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if self.sampling.greedy:
+            path, bonus = accept_greedy(tree, logits)
+        else:
+            path, bonus = accept_sampled(tree, logits, self.sampling, self._gen)
+        t3 = time.perf_counter()
+        forward_ms = (t3 - t1) * 1000
+        keep_rows = [0] + [i + 1 for i in path]
+        if self._capture is not None and self._capture.rows is not None:
+            row = self._capture.rows[keep_rows[-1]]
+            base = self.cached
+            self._attention = torch.cat([row[:base], row[base + torch.tensor(keep_rows, device=row.device)]])
+        self._keep(keep_rows, n)
+        hidden = None
+        if self.hidden_layer is not None:
+            hidden = out.hidden_states[self.hidden_layer][0, keep_rows]
+            self._append_hidden(hidden, at=self.cached - len(keep_rows))
+        self.root = bonus
+        t4 = time.perf_counter()
+        return StepResult(
+            tokens=[tree.tokens[i] for i in path] + [bonus],
+            sources=[tree.sources[i] for i in path] + [-1],
+            accepted=len(path),
+            tree_size=n,
+            forward_ms=forward_ms,
+            path=path,
+            hidden=hidden,
+            timings={"inputs": (t1 - t0) * 1000, "forward": (t2 - t1) * 1000, "accept": (t3 - t2) * 1000,
+                     "trim": (t4 - t3) * 1000},
+        )
+
+    def _forward(self, ids, pos, mask):
+        return self.model(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=self.hidden_layer is not None,
+        )
+
+    def attention_row(self):
+        """The chosen heads' attention (max over heads) of the last cached position over every cached one."""
+        return self._attention
+
+    def close(self) -> None:
+        if self._capture is not None:
+            self._capture.close()
+            self._capture = None
+
+    def _keep(self, rows: list[int], n: int) -> None:
+        """Trim the cache to the cached prefix + the kept rows of this step's 1 + n inputs."""
+        base = self.cached
+        end = base + len(rows)
+        moved = [(base + i, base + r) for i, r in enumerate(rows) if r != i]
+        if moved:  # only the kept rows that are out of place move (in place), never the cached prefix
+            dst = torch.tensor([d for d, _ in moved], device=self.device)
+            src = torch.tensor([s for _, s in moved], device=self.device)
+        for layer in self.cache.layers:
+            if moved:
+                layer.keys[:, :, dst] = layer.keys[:, :, src]
+                layer.values[:, :, dst] = layer.values[:, :, src]
+            layer.keys = layer.keys[:, :, :end]
+            layer.values = layer.values[:, :, :end]
+        self.cached = end
+
+    def fork(self) -> "TransformersBackend":
+        """A copy with its own KV cache (cloned) and the same random stream: many samples, one prefill."""
+        import copy
+
+        twin = copy.copy(self)
+        twin.cache = copy.deepcopy(self.cache)
+        twin._hidden = None if self._hidden is None else self._hidden.clone()
+        return twin
+
+    def _append_hidden(self, rows: torch.Tensor, at: int = 0) -> None:
+        """Write rows for positions [at, at + len(rows)) into a buffer that doubles when full."""
+        need = at + rows.shape[0]
+        if self._hidden is None or self._hidden.shape[0] < need:
+            cap = max(need, 2 * (0 if self._hidden is None else self._hidden.shape[0]), 256)
+            buf = torch.empty((cap, rows.shape[1]), dtype=torch.float32, device=rows.device)
+            if self._hidden is not None:
+                buf[: self._hidden.shape[0]] = self._hidden
+            self._hidden = buf
+        self._hidden[at:need] = rows.float()
+
+    def hidden_states(self) -> torch.Tensor:
+        """Hidden states (layer `hidden_layer`) of every cached position, in order: [cached, d]."""
+        if self._hidden is None:
+            return torch.zeros(0)
+        return self._hidden[: self.cached]
+
+    # -- t(n) calibration ----------------------------------------------------------------------------------
+    @staticmethod
+    def cost_key(model) -> str:
+        """Names a model/device/dtype/threads/kernels combination: t(n) is cached per key."""
+        cfg = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else str(model.config)
+        dev = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        threads = torch.get_num_threads() if dev.type == "cpu" else 0
+        h = hashlib.sha256(cfg.encode()).hexdigest()[:12]
+        packed = "-packed" if getattr(model, "ragspec_packed_linears", 0) else ""  # other kernels, other costs
+        return f"{getattr(model.config, 'model_type', 'model')}-{h}-{dev.type}-{str(dtype).split('.')[-1]}-t{threads}{packed}"
+
+    @staticmethod
+    def measure_costs(model, context: int, repeats: int, sizes) -> list[float]:
+        """Median ms of a forward of n tokens over a `context`-token cache, for each n in `sizes`."""
+        from transformers import DynamicCache
+
+        dev = next(model.parameters()).device
+        vocab = model.config.vocab_size
+        gen = torch.Generator().manual_seed(0)
+        ctx = torch.randint(100, min(vocab, 30000), (1, context), generator=gen).to(dev)
+        ms = []
+        with torch.inference_mode():
+            cache = DynamicCache(config=model.config)
+            model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            for n in sizes:
+                ids = torch.randint(100, min(vocab, 30000), (1, n), generator=gen).to(dev)
+                pos = torch.arange(context, context + n, device=dev)[None]
+                times = []
+                for _ in range(repeats + 1):
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append((time.perf_counter() - t) * 1000)
+                    for layer in cache.layers:  # back to the context only
+                        layer.keys = layer.keys[:, :, :context]
+                        layer.values = layer.values[:, :, :context]
+                ms.append(sorted(times[1:])[len(times[1:]) // 2])
+        return ms
