@@ -329,6 +329,83 @@ def eval_attribution(
     _run(body)
 
 
+@app.command("eval-answers")
+def eval_answers(
+    data: Path = typer.Option(..., "--data", help="the question set (clapnq: a file, or a folder with both files)"),
+    fmt: str = typer.Option(..., "--format", help="nq | clapnq | specbench"),
+    retrieve: Optional[Path] = typer.Option(None, "--retrieve", help="retrieve from this index instead of "
+                                            "answering over each record's own passages"),
+    spec: Optional[Path] = typer.Option(None, "--pipeline", help="pipeline YAML (default settings without it)"),
+    style: Optional[str] = typer.Option(None, "--style", help="override prompt.style (quote | free | brief)"),
+    model: Optional[str] = typer.Option(None, "--model", help="override generator.model"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="the first N records (clapnq folder: N of each file)"),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="override generator.max_new_tokens"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the result JSON here (rewritten after "
+                                            "every record)"),
+):
+    """Answer quality: contains-a-reference, token F1, refusals, citation coverage, TTFT and decode speed."""
+
+    def body():
+        _quiet_libraries()
+        from ragspec.console import progress
+        from ragspec.eval.answers import FORMATS, read_records, record_sources, score, summarize
+        from ragspec.pipeline import Pipeline
+        from ragspec.pipeline.prompt import STYLES
+        from ragspec.spec import load_spec
+
+        if fmt not in FORMATS:
+            raise RagspecError(f"--format '{fmt}' is not one of {', '.join(FORMATS)}")
+        if style is not None and style not in STYLES:
+            raise RagspecError(f"--style '{style}' is not one of {', '.join(STYLES)}")
+        if limit is not None and limit < 1:
+            raise RagspecError("--limit must be at least 1")
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise RagspecError("--max-new-tokens must be at least 1")
+        if retrieve is not None and not retrieve.exists():
+            raise RagspecError(f"index {retrieve} does not exist")
+        records = read_records(data, fmt, limit)
+        if retrieve is None and any(not r.passages for r in records):
+            bad = next(r for r in records if not r.passages)
+            raise RagspecError(f"record {bad.id} of {data} has no passage to answer over (use --retrieve INDEX)")
+        d = load_spec(spec).model_dump()
+        if style:
+            d["prompt"]["style"] = style
+        if model:
+            d["generator"]["model"] = model
+        if max_new_tokens:
+            d["generator"]["max_new_tokens"] = max_new_tokens
+        pipe = Pipeline(load_spec(d), str(retrieve) if retrieve else None)
+        with console.status("loading the model…"):
+            if retrieve is not None:
+                pipe.retriever  # noqa: B018 — a bad index fails before the model loads
+            pipe.load()
+        meta = {"format": fmt, "data": str(data), "style": pipe.spec.prompt.style, "model": pipe.spec.generator.model,
+                "drafting": pipe.spec.drafting.method, "max_new_tokens": pipe.spec.generator.max_new_tokens,
+                "sources": "retrieved from " + str(retrieve) if retrieve else "the record's own passages"}
+        rows = []
+        with progress() as bar:
+            task = bar.add_task(f"{fmt} × {len(records)}", total=len(records))
+            for rec in records:
+                kw = {} if retrieve is not None else {"documents": record_sources(rec)}
+                rows.append(score(rec, pipe.ask(rec.question, **kw)))
+                if json_out:
+                    _write_json_atomic(json_out, summarize(rows, **meta))
+                bar.advance(task)
+        r = summarize(rows, **meta)
+        if json_out:
+            _write_json_atomic(json_out, r)
+        f = lambda v, fmt="{:.3f}": "–" if v is None else fmt.format(v)  # noqa: E731
+        console.print(
+            f"{fmt} · {r['records']} records ({r['answerable']} answerable) · style {r['style']} · {r['model']}\n"
+            f"answer contains {f(r['answer_contains'])} · token F1 {f(r['token_f1'])} · refusal "
+            f"{f(r['refusal_rate'])} · false refusal {f(r['false_refusal_rate'])} · citation coverage "
+            f"{f(r['citation_coverage'])}\n"
+            f"TTFT p50 {f(r['ttft_ms_p50'], '{:.0f}')} ms · decode {f(r['decode_tokens_per_s'], '{:.2f}')} tok/s · "
+            f"speed-up {f(r['speedup'], '{:.2f}×')}", soft_wrap=True, highlight=False)
+
+    _run(body)
+
+
 @app.command("bench-search")
 def bench_search(
     index_path: Path = typer.Argument(..., metavar="INDEX"),

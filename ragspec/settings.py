@@ -65,8 +65,9 @@ class RetrieverSettings(Strict):
 
 
 class PromptSettings(Strict):
-    style: Literal["quote", "free"] = Field(
-        "quote", description="quote: ask the model to copy the sources' wording (faster, verifiable); free: no such ask"
+    style: Literal["quote", "free", "brief"] = Field(
+        "quote", description="quote: ask the model to copy the sources' wording (faster, verifiable); free: no such "
+                             "ask; brief: a one-sentence answer, then the supporting sentence copied verbatim"
     )
     system: str | None = Field(None, description="replace the built-in system instruction of the style")
     max_context_tokens: int | None = Field(

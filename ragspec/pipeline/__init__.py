@@ -2,8 +2,9 @@
 
 from ragspec.pipeline.answer import Answer, AnswerStats, CitationEvent, DoneEvent, SourcesEvent, TextEvent
 from ragspec.pipeline.attribution import Citation, CopyMatcher
+from ragspec.pipeline.declined import DECLINED, is_declined
 from ragspec.pipeline.pipeline import Pipeline
 from ragspec.pipeline.prompt import BuiltPrompt, PromptBuilder, SourceText
 
-__all__ = ["Answer", "AnswerStats", "BuiltPrompt", "Citation", "CitationEvent", "CopyMatcher", "DoneEvent",
-           "Pipeline", "PromptBuilder", "SourceText", "SourcesEvent", "TextEvent"]
+__all__ = ["Answer", "AnswerStats", "BuiltPrompt", "Citation", "CitationEvent", "CopyMatcher", "DECLINED", "DoneEvent",
+           "Pipeline", "PromptBuilder", "SourceText", "SourcesEvent", "TextEvent", "is_declined"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ragspec.pipeline.attribution import Citation
+from ragspec.pipeline.declined import DECLINED, is_declined  # noqa: F401 (re-exported)
 from ragspec.pipeline.prompt import SourceText
 
 
@@ -47,11 +48,17 @@ class Answer:
     sources: list[SourceText]
     stats: AnswerStats
     warnings: list[str] = field(default_factory=list)
+    declined: bool | None = None  # the answer is DECLINED (None: decide from the text)
+
+    def __post_init__(self):
+        if self.declined is None:
+            self.declined = is_declined(self.text)
 
     def as_json(self) -> dict:
         return {
             "question": self.question,
             "text": self.text,
+            "declined": self.declined,
             "citations": [c.as_json() for c in self.citations],
             "sources": [source_json(s) for s in self.sources],
             "stats": self.stats.as_json(),

@@ -20,6 +20,7 @@ from ragspec.pipeline.answer import (Answer, AnswerStats, CitationEvent, DoneEve
                                      TextEvent)
 from ragspec.pipeline.aio import iterate_in_thread
 from ragspec.pipeline.attribution import CopyMatcher
+from ragspec.pipeline.declined import is_declined
 from ragspec.pipeline.prompt import BuiltPrompt, PromptBuilder, SourceText
 from ragspec.spec import PipelineSpec, load_spec
 
@@ -261,8 +262,9 @@ class Pipeline:
             speedup_estimate=(s.new_tokens * self._cost.time(1) / s.decode_ms) if self._cost and s.decode_ms else None,
             dropped_sources=built.dropped, ttft_ms=ttft_ms, prefix_reused_tokens=reused,
         )
-        answer = Answer(question, "".join(parts), list(matcher.citations) if matcher else [], built.sources, stats,
-                        list(built.warnings))
+        text = "".join(parts)
+        answer = Answer(question, text, list(matcher.citations) if matcher else [], built.sources, stats,
+                        list(built.warnings), declined=is_declined(text))
         yield DoneEvent(answer)
 
 

@@ -13,14 +13,29 @@ from dataclasses import dataclass, field
 from ragspec.decoding.drafters.base import Segment
 from ragspec.errors import RagspecError
 
+from ragspec.pipeline.declined import DECLINED
+
+# phrased as a last resort: "reply exactly … and nothing else" made Qwen2.5-0.5B decline most answerable
+# questions (5 of 6 in a probe on NQ / CLAP NQ with the gold passage); this wording declined 2 of 9
+_DECLINE = f"(If, and only if, none of the sources answers the question, say: {DECLINED})"
+
 SYSTEM = {
     "quote": (
         "You answer questions using only the numbered sources you are given. Wherever you can, copy the "
         "sources' exact wording: quote the sentences that answer the question instead of paraphrasing them. "
-        "If the sources do not contain the answer, say that they do not."
+        + _DECLINE
     ),
-    "free": "You answer questions using the numbered sources you are given. Be concise and accurate.",
+    "free": "You answer questions using only the numbered sources you are given. Be concise and accurate. "
+            + _DECLINE,
+    # the answer first (short, so it is right or wrong at once), then the sentence that supports it, copied
+    # verbatim (drafted, and cited)
+    "brief": (
+        "You answer questions using only the numbered sources you are given. First answer the question in one "
+        "short sentence. Then, on a new line, copy the one sentence of the sources that supports your answer, "
+        "word for word, in quotation marks. " + _DECLINE
+    ),
 }
+STYLES = tuple(SYSTEM)
 
 
 @dataclass
