@@ -467,6 +467,8 @@ def bench(
 
         if not prompts.exists():
             raise RagspecError(f"{prompts} does not exist")
+        if max_new_tokens < 1:
+            raise RagspecError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
         rows = load_prompts(prompts, category, limit, offset)
         if backend not in ("transformers", "llama.cpp"):
             raise RagspecError(f"--backend must be transformers or llama.cpp, not '{backend}'")
@@ -532,11 +534,13 @@ def ask(
             data["generator"]["model"] = model
         if method:
             data["drafting"]["method"] = method
-        if max_new_tokens:
+        if max_new_tokens is not None:
+            if max_new_tokens < 1:
+                raise RagspecError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
             data["generator"]["max_new_tokens"] = max_new_tokens
         if where:
             data["retriever"]["filter"] = list(where)
-        pipe = Pipeline(load_spec(data) if (model or method or max_new_tokens or where) else load_spec(spec),
+        pipe = Pipeline(load_spec(data) if (model or method or max_new_tokens is not None or where) else load_spec(spec),
                         str(index_path) if index_path else None)
         with console.status("loading the index and the model…"):
             pipe.retriever  # noqa: B018 — open the index now, so a bad path fails before the model loads

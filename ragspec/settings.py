@@ -73,6 +73,10 @@ class PromptSettings(Strict):
     max_context_tokens: int | None = Field(
         None, ge=64, description="prompt budget; default the model's window minus max_new_tokens"
     )
+    max_question_tokens: int = Field(
+        2048, ge=1, description="a longer question is refused in one line before any retrieval or prefill "
+        "(a 30,000-token question is minutes of prefill on a CPU)"
+    )
 
 
 class GeneratorSettings(Strict):

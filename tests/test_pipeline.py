@@ -195,3 +195,14 @@ def test_cli_ask_json(index_path, tmp_path):
             assert f.read()[c["start"] : c["end"]] == c["quote"]
     r = CliRunner().invoke(app, ["ask", "hello", "--index", str(tmp_path / "nope")])
     assert r.exit_code == 2 and "no index" in r.output
+
+
+def test_answer_budget_below_one_and_overlong_questions_are_one_clear_error(pipe, index_path):
+    for bad in (0, -3):
+        with pytest.raises(RagspecError, match="max_new_tokens must be at least 1"):
+            pipe.ask(QUESTIONS[0], max_new_tokens=bad)
+    limit = pipe.spec.prompt.max_question_tokens
+    with pytest.raises(RagspecError, match="max_question_tokens"):
+        pipe.ask("why " * (limit + 10))
+    r = CliRunner().invoke(app, ["ask", QUESTIONS[0], "--index", str(index_path), "--max-new-tokens", "0"])
+    assert r.exit_code == 2 and "--max-new-tokens must be at least 1" in r.output

@@ -158,11 +158,16 @@ class Pipeline:
         t_start = time.perf_counter()
         if not question or not question.strip():
             raise RagspecError("the question is empty")
+        max_new = self._max_new(max_new_tokens)
+        limit = self.spec.prompt.max_question_tokens
+        n_question = len(self.tokenizer(question, add_special_tokens=False)["input_ids"])
+        if n_question > limit:
+            raise RagspecError(f"the question is {n_question} tokens, over prompt.max_question_tokens ({limit}); "
+                               "shorten it or raise the limit")
         if documents is None:
             sources, retrieval_ms = self.retrieve(question, filter)
         else:
             sources, retrieval_ms = as_sources(documents), 0.0
-        max_new = max_new_tokens or self.spec.generator.max_new_tokens
         with self._gen_lock:
             built = self.prompt_builder(max_new).build(question, sources, history, instructions)
         yield from self._generate(built, question, retrieval_ms, max_new, stop, temperature, t_start)
@@ -189,10 +194,18 @@ class Pipeline:
         """Generate for a prompt that already holds its documents (a text, sent as one user turn, or chat
         messages); drafts and citations come from the prompt itself (source 1, path '<prompt>')."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        max_new = max_new_tokens or self.spec.generator.max_new_tokens
+        max_new = self._max_new(max_new_tokens)
         with self._gen_lock:
             built = prompt_as_source(self.tokenizer, messages)
         yield from self._generate(built, messages[-1]["content"] if messages else "", 0.0, max_new, stop, temperature)
+
+    def _max_new(self, max_new_tokens: int | None) -> int:
+        """The answer budget of one call; 0 or less is an error, never silently the default."""
+        if max_new_tokens is None:
+            return self.spec.generator.max_new_tokens
+        if max_new_tokens < 1:
+            raise RagspecError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+        return int(max_new_tokens)
 
     def _generate(self, built: BuiltPrompt, question: str, retrieval_ms: float, max_new: int, stop,
                   temperature: float | None, t_start: float | None = None) -> Iterator[Event]:
