@@ -113,6 +113,7 @@ def test_suffix_drafts_keep_the_distribution(smol):
     """The suffix drafter's own scored tree (several continuations of a repeated spot) under sampling. The
     tree's logits come from one verifier forward; the acceptance then runs SAMPLES times on them (a second
     token the tree does not reach is drawn from the exact next-token distribution, as a plain step would)."""
+    from ragspec.decoding.backends.accept import accept_sampled
     from ragspec.decoding.drafters.base import DraftState
     from ragspec.decoding.drafters.suffix import SuffixDrafter
 
@@ -134,7 +135,7 @@ def test_suffix_drafts_keep_the_distribution(smol):
     gen = torch.Generator().manual_seed(7)
     counts: dict[tuple[int, int], int] = {}
     for _ in range(SAMPLES):
-        path, bonus = v._accept_sampled(tree, logits)
+        path, bonus = accept_sampled(tree, logits, SETTINGS, gen)
         toks = [tree.tokens[i] for i in path] + [bonus]
         if len(toks) < 2:
             t1 = toks[0]
