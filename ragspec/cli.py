@@ -545,10 +545,12 @@ def ask(
         with console.status("loading the index and the model…"):
             pipe.retriever  # noqa: B018 — open the index now, so a bad path fails before the model loads
             pipe.load()
+        from ragspec.console import PrefillProgress, status
+
         answer = None
         if as_json or no_stream:
-            with console.status("answering…"):
-                answer = pipe.ask(question)
+            with status("answering…") as spinner:
+                answer = pipe.ask(question, on_progress=PrefillProgress(spinner=spinner))
             if as_json:
                 sys.stdout.write(json.dumps(answer.as_json(), ensure_ascii=False, indent=2) + "\n")
                 return
@@ -560,17 +562,22 @@ def ask(
 
             out = Console(highlight=False, soft_wrap=True)
             live = _LiveAnswer(out)
-            for ev in pipe.stream(question):
-                if isinstance(ev, SourcesEvent):
-                    for w in ev.warnings:
-                        console.print(f"[yellow]warning:[/] {w}")
-                elif isinstance(ev, TextEvent):
-                    live.text(ev.text)
-                elif isinstance(ev, CitationEvent):
-                    live.cite(ev.citation)
-                elif isinstance(ev, DoneEvent):
-                    answer = ev.answer
-            live.close()
+            reading = PrefillProgress()
+            try:
+                for ev in pipe.stream(question, on_progress=reading):
+                    if isinstance(ev, SourcesEvent):
+                        for w in ev.warnings:
+                            console.print(f"[yellow]warning:[/] {w}")
+                    elif isinstance(ev, TextEvent):
+                        reading.close()
+                        live.text(ev.text)
+                    elif isinstance(ev, CitationEvent):
+                        live.cite(ev.citation)
+                    elif isinstance(ev, DoneEvent):
+                        answer = ev.answer
+            finally:  # Ctrl-C included: the terminal is left clean
+                reading.close()
+                live.close()
         _print_sources(answer)
         _print_stats(answer)
 
@@ -585,10 +592,15 @@ class _LiveAnswer:
         self.buf = ""
         self.cites = []
         self.live = None
-        if out.is_terminal:
+        self.started = False
+
+    def _start(self) -> None:
+        """At the first text (not before: a prefill progress bar may hold the screen until then)."""
+        self.started = True
+        if self.out.is_terminal:
             from rich.live import Live
 
-            self.live = Live(self._render(), console=out, refresh_per_second=12, transient=False)
+            self.live = Live(self._render(), console=self.out, refresh_per_second=12, transient=False)
             self.live.start()
 
     def _render(self):
@@ -600,6 +612,8 @@ class _LiveAnswer:
         return t
 
     def text(self, s: str) -> None:
+        if not self.started:
+            self._start()
         self.buf += s
         if self.live:
             self.live.update(self._render())

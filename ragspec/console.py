@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -24,8 +25,8 @@ def warn(message: str) -> None:
     console.print(f"[yellow]warning:[/] {one_line(message)}", soft_wrap=True, emoji=False)
 
 
-def progress() -> Progress:
-    """A progress display for long stages."""
+def progress(transient: bool = False) -> Progress:
+    """A progress display for long stages (`transient`: gone from the screen once it stops)."""
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -33,19 +34,54 @@ def progress() -> Progress:
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=console,
-        transient=False,
+        transient=transient,
     )
 
 
 @contextlib.contextmanager
 def status(message: str):
-    """A spinner for a stage of unknown length."""
+    """A spinner for a stage of unknown length; yields it (for `.update(text)`), or None off a terminal."""
     if console.is_terminal:
-        with console.status(message):
-            yield
+        with console.status(message) as spinner:
+            yield spinner
     else:
         console.print(message)
-        yield
+        yield None
+
+
+class PrefillProgress:
+    """`on_progress` for a generation: once reading the prompt has taken `after` seconds, shows how far it is —
+    on `spinner` (a running status) if given, else as a bar on a terminal, else as a line per chunk."""
+
+    def __init__(self, after: float = 2.0, spinner=None):
+        self.t0 = time.monotonic()
+        self.after = after
+        self.spinner = spinner
+        self.bar = None
+        self.task = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if done >= total:
+            self.close()
+            return
+        if self.bar is None and time.monotonic() - self.t0 < self.after:
+            return
+        message = f"reading the prompt: {done:,} of {total:,} tokens"
+        if self.spinner is not None:
+            self.spinner.update(message)
+        elif not console.is_terminal:
+            console.print(message)
+        else:
+            if self.bar is None:
+                self.bar = progress(transient=True)
+                self.task = self.bar.add_task("reading the prompt", total=total)
+                self.bar.start()
+            self.bar.update(self.task, completed=done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
 
 
 def human_bytes(n: float) -> str:

@@ -6,3 +6,8 @@ class RagspecError(Exception):
 
     The message must say what is wrong and what to do about it, in one line.
     """
+
+
+class Cancelled(RagspecError):
+    """A generation stopped on request (a closed stream, a cancelled HTTP request, Ctrl-C): between prefill
+    chunks or decode steps, the model lock released, nothing half-written."""

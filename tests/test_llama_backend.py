@@ -273,3 +273,30 @@ def test_pldplus_says_what_llama_cpp_cannot_give(llama):
         LlamaCppBackend(model, hidden_layer=9)
     with pytest.raises(RagspecError, match="attention rows"):
         LlamaCppBackend(model, attention_heads=((4, 0),))
+
+
+def test_prefill_reports_progress_per_batch_and_stops_on_cancel(llama):
+    import threading
+
+    from ragspec.decoding.backends.llama_cpp import LlamaCppBackend
+    from ragspec.errors import Cancelled
+
+    model, tok = llama
+    prompt = tok((PASSAGE + " ") * 60, add_special_tokens=False)["input_ids"][: 2 * model.n_batch + 40]
+    seen = []
+    b = LlamaCppBackend(model)
+    b.prefill(prompt, on_progress=lambda done, total: seen.append((done, total)))
+    total = len(prompt) - 1
+    assert seen == [(model.n_batch, total), (2 * model.n_batch, total), (total, total)]
+    cancel = threading.Event()
+    seen.clear()
+
+    def stop_after_first(done, total):
+        seen.append(done)
+        cancel.set()
+
+    with pytest.raises(Cancelled):
+        b.prefill(prompt, on_progress=stop_after_first, cancel=cancel)
+    assert seen == [model.n_batch]
+    b.prefill(prompt[:20])  # the model is usable again at once
+    assert b.cached == 19

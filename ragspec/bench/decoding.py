@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ragspec.decoding.backends import is_llama
+from ragspec.decoding.backends.base import PREFILL_CHUNK
 from ragspec.decoding.budget import AdaptiveBudget, calibrate
 from ragspec.decoding.drafters import METHODS, make_drafter
 from ragspec.decoding.drafters.base import DraftState
@@ -69,7 +70,9 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 def hf_generate(model, prompt: list[int], max_new: int, eos: list[int], lookup: int = 0) -> tuple[list[int], float]:
-    kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    # plain greedy prefills in the chunks ragspec's backend uses (same kernels, same numerics); HF's assisted
+    # decoding has no chunked prefill
+    kw = {"prompt_lookup_num_tokens": lookup} if lookup else {"prefill_chunk_size": PREFILL_CHUNK}
     ids = torch.tensor([prompt], device=model.device)
     t = time.perf_counter()
     with torch.inference_mode():

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
 from ragspec.decoding.backends import make_backend
+from ragspec.decoding.backends.base import check_cancel
 from ragspec.decoding.budget import AdaptiveBudget
 from ragspec.decoding.drafters.base import DraftState, Drafter, NoDraft, Segment
 from ragspec.decoding.tree import DraftTree
@@ -76,8 +77,11 @@ class SpeculativeGenerator:
     def generate(self, prompt_ids: list[int], segments: list[Segment] | None = None) -> str:
         return "".join(d.text for d in self.stream(prompt_ids, segments))
 
-    def stream(self, prompt_ids: list[int], segments: list[Segment] | None = None, prefix=None) -> Iterator[Delta]:
-        """`prefix`: a `prefix_cache.PrefixStore` to prefill from and to leave this generation's cache in."""
+    def stream(self, prompt_ids: list[int], segments: list[Segment] | None = None, prefix=None, cancel=None,
+               on_progress=None) -> Iterator[Delta]:
+        """`prefix`: a `prefix_cache.PrefixStore` to prefill from and to leave this generation's cache in.
+        `cancel`: a threading.Event; once set, the generation raises `Cancelled` between prefill chunks or
+        decode steps. `on_progress(done, total)`: called after each prefill chunk."""
         stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.tokens = []
         heads = tuple(getattr(self.drafter, "attention_heads", ()) or ())
@@ -86,14 +90,15 @@ class SpeculativeGenerator:
         if not getattr(verifier, "supports_prefix", True):
             prefix = None  # a prefix store holds transformers caches
         try:
-            yield from self._loop(verifier, prompt_ids, segments, stats, heads, prefix)
+            yield from self._loop(verifier, prompt_ids, segments, stats, heads, prefix, cancel, on_progress)
             if prefix is not None:
                 prefix.save(list(prompt_ids) + self.tokens, verifier.cache, verifier.cached)
         finally:
             verifier.close()
 
-    def _loop(self, verifier, prompt_ids, segments, stats, heads, prefix=None) -> Iterator[Delta]:
-        stats.prefill_ms = verifier.prefill(list(prompt_ids), prefix)
+    def _loop(self, verifier, prompt_ids, segments, stats, heads, prefix=None, cancel=None,
+              on_progress=None) -> Iterator[Delta]:
+        stats.prefill_ms = verifier.prefill(list(prompt_ids), prefix, on_progress=on_progress, cancel=cancel)
         state = DraftState(tokens=list(prompt_ids), prompt_len=len(prompt_ids), segments=segments or [])
         t0 = time.perf_counter()
         self.drafter.prepare(state)
@@ -109,6 +114,7 @@ class SpeculativeGenerator:
             if remaining <= 0:
                 stats.finish_reason = "length"
                 break
+            check_cancel(cancel)
             t = time.perf_counter()
             if self.drafter.hidden_layer is not None:
                 state.hidden = verifier.hidden_states()

@@ -8,6 +8,7 @@ documents, drafts and citations come from the prompt itself; `RagspecLLM(index=.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, AsyncIterator, Iterator
 
@@ -115,7 +116,7 @@ class RagspecLLM(_RagspecModelMixin, LLM):
     def _events(self, prompt: str, stop: list[str] | None, **kwargs: Any):
         pipe = self._pipeline(kwargs.get("model"))
         args = {"max_new_tokens": kwargs.get("max_tokens") or self.max_tokens, "stop": self._stop(stop),
-                "temperature": kwargs.get("temperature", self.temperature)}
+                "temperature": kwargs.get("temperature", self.temperature), "cancel": kwargs.get("cancel")}
         if self.index or (self.pipeline is not None and self.pipeline._index_arg is not None):
             return pipe.stream(prompt, **args)
         return pipe.stream_prompt(prompt, **args)
@@ -175,7 +176,8 @@ class ChatRagspec(_RagspecModelMixin, BaseChatModel):
     def _events(self, messages: list[BaseMessage], stop: list[str] | None, **kwargs: Any):
         return self._pipeline(kwargs.get("model")).stream_prompt(
             [_to_chat(m) for m in messages], max_new_tokens=kwargs.get("max_tokens") or self.max_tokens,
-            stop=self._stop(stop), temperature=kwargs.get("temperature", self.temperature))
+            stop=self._stop(stop), temperature=kwargs.get("temperature", self.temperature),
+            cancel=kwargs.get("cancel"))
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
@@ -208,10 +210,13 @@ class ChatRagspec(_RagspecModelMixin, BaseChatModel):
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         from ragspec.pipeline.aio import iterate_in_thread
 
-        async for chunk in iterate_in_thread(lambda: self._stream(messages, stop, None, **kwargs)):
-            if run_manager and chunk.text:
-                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-            yield chunk
+        cancel = threading.Event()  # set when the consumer stops reading: the generation stops too
+        chunks = iterate_in_thread(lambda: self._stream(messages, stop, None, cancel=cancel, **kwargs), cancel)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                if run_manager and chunk.text:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
 
     def _metadata(self, answer: Answer, model: str | None = None) -> dict:
         return {"model_name": model or self.model, "finish_reason": answer.stats.finish_reason,

@@ -8,6 +8,7 @@ prompt building and generation queue on the model's lock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -148,13 +149,16 @@ class Pipeline:
     def stream(self, question: str, *, documents: "Iterable[str | SourceText] | None" = None,
                max_new_tokens: int | None = None, stop: "Iterable[str] | None" = None,
                temperature: float | None = None, history: "list[dict] | None" = None,
-               instructions: str | None = None, filter=None) -> Iterator[Event]:
+               instructions: str | None = None, filter=None, cancel=None,
+               on_progress=None) -> Iterator[Event]:
         """Events: SourcesEvent, then TextEvent and CitationEvent as they happen, then DoneEvent(answer).
 
         `documents` replaces retrieval with the given passages (strings or SourceText). `history`: earlier turns
         of a conversation ({"role": "user"|"assistant", "content"}, first a user turn); the sources go in the
         first user turn. `instructions` are appended to the system instruction. `filter`: a metadata filter for
-        the retrieval (see `Retriever.search`)."""
+        the retrieval (see `Retriever.search`). `cancel`: a threading.Event; once set, the answer stops between
+        prefill chunks or decode steps with `Cancelled`. `on_progress(done, total)`: prompt tokens prefilled, after
+        each prefill chunk (a long prompt takes seconds)."""
         t_start = time.perf_counter()
         if not question or not question.strip():
             raise RagspecError("the question is empty")
@@ -170,7 +174,8 @@ class Pipeline:
             sources, retrieval_ms = as_sources(documents), 0.0
         with self._gen_lock:
             built = self.prompt_builder(max_new).build(question, sources, history, instructions)
-        yield from self._generate(built, question, retrieval_ms, max_new, stop, temperature, t_start)
+        yield from self._generate(built, question, retrieval_ms, max_new, stop, temperature, t_start, cancel,
+                                  on_progress)
 
     def ask(self, question: str, **kwargs) -> Answer:
         for event in self.stream(question, **kwargs):
@@ -185,19 +190,25 @@ class Pipeline:
         return await asyncio.to_thread(self.ask, question, **kwargs)
 
     async def astream(self, question: str, **kwargs) -> AsyncIterator[Event]:
-        """`stream` on a worker thread; events are handed over as they come."""
-        async for ev in iterate_in_thread(lambda: self.stream(question, **kwargs)):
-            yield ev
+        """`stream` on a worker thread; events are handed over as they come. Leaving the loop early (or a
+        cancelled task) stops the generation at its next prefill chunk or decode step."""
+        cancel = kwargs.pop("cancel", None) or threading.Event()
+        async with contextlib.aclosing(iterate_in_thread(lambda: self.stream(question, cancel=cancel, **kwargs),
+                                                         cancel)) as events:
+            async for ev in events:
+                yield ev
 
     def stream_prompt(self, prompt: "str | list[dict]", *, max_new_tokens: int | None = None,
-                      stop: "Iterable[str] | None" = None, temperature: float | None = None) -> Iterator[Event]:
+                      stop: "Iterable[str] | None" = None, temperature: float | None = None, cancel=None,
+                      on_progress=None) -> Iterator[Event]:
         """Generate for a prompt that already holds its documents (a text, sent as one user turn, or chat
         messages); drafts and citations come from the prompt itself (source 1, path '<prompt>')."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         max_new = self._max_new(max_new_tokens)
         with self._gen_lock:
             built = prompt_as_source(self.tokenizer, messages)
-        yield from self._generate(built, messages[-1]["content"] if messages else "", 0.0, max_new, stop, temperature)
+        yield from self._generate(built, messages[-1]["content"] if messages else "", 0.0, max_new, stop, temperature,
+                                  None, cancel, on_progress)
 
     def _max_new(self, max_new_tokens: int | None) -> int:
         """The answer budget of one call; 0 or less is an error, never silently the default."""
@@ -208,7 +219,8 @@ class Pipeline:
         return int(max_new_tokens)
 
     def _generate(self, built: BuiltPrompt, question: str, retrieval_ms: float, max_new: int, stop,
-                  temperature: float | None, t_start: float | None = None) -> Iterator[Event]:
+                  temperature: float | None, t_start: float | None = None, cancel=None,
+                  on_progress=None) -> Iterator[Event]:
         from ragspec.decoding.budget import AdaptiveBudget
         from ragspec.decoding.generate import SpeculativeGenerator
 
@@ -244,7 +256,7 @@ class Pipeline:
             store = self.prefix_cache
             if store is not None:
                 store.last_reused = 0
-            for delta in gen.stream(built.ids, built.segments, prefix=store):
+            for delta in gen.stream(built.ids, built.segments, prefix=store, cancel=cancel, on_progress=on_progress):
                 if not parts and store is not None:  # the first delta comes right after the prefill
                     reused = store.last_reused
                 if not ttft_ms and delta.text:

@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
-from ragspec.errors import RagspecError
+from ragspec.errors import Cancelled, RagspecError
 from ragspec.pipeline import CitationEvent, DoneEvent, Pipeline, SourcesEvent, TextEvent
 from ragspec.pipeline.answer import source_json
 from ragspec.serve.openai_schema import (AskRequest, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
@@ -155,6 +155,9 @@ class Server:
                     except StopIteration:
                         break
                     put(item)
+            except Cancelled:  # stopped inside a prefill or between decode steps
+                with self._lock:
+                    self.cancelled += 1
             except BaseException as exc:  # handed to the consumer
                 put(exc)
             finally:
@@ -327,7 +330,7 @@ def create_app(server: Server) -> FastAPI:
         cancel = threading.Event()
 
         def make():
-            return server.pipe.stream(req.question, max_new_tokens=max_new, history=history or None)
+            return server.pipe.stream(req.question, max_new_tokens=max_new, history=history or None, cancel=cancel)
 
         if not req.stream:
             watcher = asyncio.create_task(server.watch_disconnect(request, cancel))
@@ -387,7 +390,7 @@ def create_app(server: Server) -> FastAPI:
         def make():
             return server.pipe.stream(question, max_new_tokens=max_new, stop=stop or None,
                                       temperature=req.temperature, history=history or None,
-                                      instructions=instructions)
+                                      instructions=instructions, cancel=cancel)
 
         def usage(answer) -> Usage:
             p, c = answer.stats.prompt_tokens, answer.stats.new_tokens

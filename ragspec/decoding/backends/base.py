@@ -9,9 +9,33 @@ keeps only that path in the cache; `calibrate` measures t(n), the forward time o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from ragspec.decoding.tree import DraftTree
+from ragspec.errors import Cancelled
+
+# A prompt longer than one chunk is prefilled PREFILL_CHUNK tokens per forward: progress can be shown and a
+# cancel honoured between chunks, and a long prompt never holds the model in one uninterruptible call.
+# The bench's vanilla (HF `generate`, `prefill_chunk_size`) chunks the same way, so both see the same kernels.
+PREFILL_CHUNK = 512
+
+Progress = Callable[[int, int], None]  # (prompt tokens prefilled so far, prompt tokens to prefill)
+
+
+def chunks(start: int, end: int, size: int = PREFILL_CHUNK) -> list[tuple[int, int]]:
+    """[start, end) cut at multiples of `size` counted from position 0 (as HF's chunked prefill cuts)."""
+    out, a = [], start
+    while a < end:
+        b = min(end, (a // size + 1) * size)
+        out.append((a, b))
+        a = b
+    return out
+
+
+def check_cancel(cancel) -> None:
+    """Raise `Cancelled` if `cancel` (a threading.Event, or None) is set."""
+    if cancel is not None and cancel.is_set():
+        raise Cancelled("the generation was cancelled")
 
 
 @dataclass
@@ -39,8 +63,10 @@ class Backend(Protocol):
     cached: int
     root: int
 
-    def prefill(self, prompt_ids: list[int], prefix=None) -> float:
-        """Cache the prompt but its last token; returns ms."""
+    def prefill(self, prompt_ids: list[int], prefix=None, on_progress: Progress | None = None,
+                cancel=None) -> float:
+        """Cache the prompt but its last token, in `PREFILL_CHUNK` chunks (`on_progress` after each, `cancel`
+        checked before each: `Cancelled`); returns ms."""
 
     def step(self, tree: DraftTree) -> StepResult:
         """Verify [root + tree] in one forward; keep the accepted path in the cache."""

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ragspec.decoding.backends.accept import accept_sampled, new_generator, walk_greedy
-from ragspec.decoding.backends.base import StepResult
+from ragspec.decoding.backends.base import StepResult, check_cancel
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.tree import DraftTree
 from ragspec.errors import RagspecError
@@ -147,13 +147,19 @@ class LlamaCppModel:
         ptr = self.lc.llama_get_logits_ith(self.ctx, i)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
-    def feed(self, tokens: list[int], start: int, last_logits: bool = False) -> None:
-        """Decode `tokens` into sequence 0 from position `start`, in `n_batch` chunks."""
+    def feed(self, tokens: list[int], start: int, last_logits: bool = False, on_progress=None,
+             cancel=None) -> None:
+        """Decode `tokens` into sequence 0 from position `start`, in `n_batch` chunks (`cancel` checked
+        before each, `on_progress(done, total)` after each)."""
         for a in range(0, len(tokens), self.n_batch):
+            check_cancel(cancel)
             chunk = tokens[a : a + self.n_batch]
             end = a + len(chunk) == len(tokens)
             self.decode([(t, start + a + k, [0], last_logits and end and k == len(chunk) - 1)
                          for k, t in enumerate(chunk)])
+            if on_progress is not None:
+                on_progress(a + len(chunk), len(tokens))
+        check_cancel(cancel)
 
     def greedy(self, prompt: list[int], n: int, eos=()) -> list[int]:
         """llama.cpp's own greedy decoding, the reference: the prompt in `n_batch` chunks, then one token per
@@ -194,7 +200,7 @@ class LlamaCppBackend:
         self.cached = 0
         self.root = 0
 
-    def prefill(self, prompt_ids: list[int], prefix=None) -> float:
+    def prefill(self, prompt_ids: list[int], prefix=None, on_progress=None, cancel=None) -> float:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) + self.model.n_batch > self.model.n_ctx:
@@ -202,7 +208,7 @@ class LlamaCppBackend:
                                f"({self.model.n_ctx} tokens, {self.model.n_batch} kept for the draft tree)")
         t = time.perf_counter()
         self.model.clear()
-        self.model.feed(list(prompt_ids[:-1]), 0)
+        self.model.feed(list(prompt_ids[:-1]), 0, on_progress=on_progress, cancel=cancel)
         self.cached = len(prompt_ids) - 1
         self.root = int(prompt_ids[-1])
         return (time.perf_counter() - t) * 1000

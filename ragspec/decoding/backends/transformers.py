@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ragspec.decoding.backends.accept import accept_greedy, accept_sampled, new_generator
-from ragspec.decoding.backends.base import StepResult
+from ragspec.decoding.backends.base import StepResult, check_cancel, chunks
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.tree import DraftTree
 
@@ -45,9 +45,10 @@ class TransformersBackend:
 
     # -- prefill -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int], prefix=None) -> float:
-        """Cache every prompt token but the last, which becomes the first step's root. Returns ms.
-        `prefix`: a `prefix_cache.PrefixStore`; the longest cached prefix of the prompt is reused, not recomputed."""
+    def prefill(self, prompt_ids: list[int], prefix=None, on_progress=None, cancel=None) -> float:
+        """Cache every prompt token but the last, which becomes the first step's root, in `PREFILL_CHUNK`
+        chunks (see base.py). Returns ms. `prefix`: a `prefix_cache.PrefixStore`; the longest cached prefix of
+        the prompt is reused, not recomputed."""
         from transformers import DynamicCache
 
         if not prompt_ids:
@@ -66,8 +67,10 @@ class TransformersBackend:
         if prefix is not None and self.hidden_layer is None and not self.attention_heads:
             cache, self.cached = prefix.lookup(prompt_ids, split)
             self.cache = cache if cache is not None else self.cache
-        if split > self.cached:
-            ids = torch.tensor([prompt_ids[self.cached : split]], device=self.device)
+        total = split - self.cached
+        for a, b in chunks(self.cached, split):
+            check_cancel(cancel)
+            ids = torch.tensor([prompt_ids[a:b]], device=self.device)
             out = self.model(
                 input_ids=ids,
                 past_key_values=self.cache,
@@ -75,9 +78,12 @@ class TransformersBackend:
                 logits_to_keep=1,
                 output_hidden_states=self.hidden_layer is not None,
             )
-            self.cached = split
             if self.hidden_layer is not None:
-                self._append_hidden(out.hidden_states[self.hidden_layer][0])
+                self._append_hidden(out.hidden_states[self.hidden_layer][0], at=a)
+            self.cached = b
+            if on_progress is not None:
+                on_progress(b - (split - total), total)
+        check_cancel(cancel)
         if split < len(prompt_ids) - 1:
             from ragspec.decoding.heads import AttentionCapture, eager_attention
 
