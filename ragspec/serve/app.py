@@ -186,6 +186,27 @@ class Server:
         finally:
             cancel.set()
 
+    async def final_answer(self, make: Callable[[], Iterator], cancel: threading.Event, request: Request):
+        """The Answer of a non-streamed request; a client that goes away cancels the generation (499), the
+        deadline is a 504, a user error a 400."""
+        watcher = asyncio.create_task(self.watch_disconnect(request, cancel))
+        answer = None
+        try:
+            async for ev in self.events(make, cancel):
+                if isinstance(ev, DoneEvent):
+                    answer = ev.answer
+        except TimeoutError:
+            raise ApiError(504, f"the request took longer than {self.settings.timeout_s:g} s", "timeout",
+                           "timeout") from None
+        except RagspecError as exc:
+            raise ApiError(400, str(exc)) from None
+        finally:
+            cancel.set()
+            watcher.cancel()
+        if answer is None:
+            raise ApiError(499, "cancelled", "cancelled")
+        return answer
+
     async def watch_disconnect(self, request: Request, cancel: threading.Event) -> None:
         """For non-streaming requests: set `cancel` when the client goes away."""
         while not cancel.is_set():
@@ -333,21 +354,7 @@ def create_app(server: Server) -> FastAPI:
             return server.pipe.stream(req.question, max_new_tokens=max_new, history=history or None, cancel=cancel)
 
         if not req.stream:
-            watcher = asyncio.create_task(server.watch_disconnect(request, cancel))
-            try:
-                answer = None
-                async for ev in server.events(make, cancel):
-                    if isinstance(ev, DoneEvent):
-                        answer = ev.answer
-            except TimeoutError:
-                raise ApiError(504, f"the request took longer than {s.timeout_s:g} s", "timeout", "timeout") from None
-            except RagspecError as exc:
-                raise ApiError(400, str(exc)) from None
-            finally:
-                cancel.set()
-                watcher.cancel()
-            if answer is None:
-                raise ApiError(499, "cancelled", "cancelled")
+            answer = await server.final_answer(make, cancel, request)
             return answer.as_json()
 
         async def body():
@@ -397,21 +404,7 @@ def create_app(server: Server) -> FastAPI:
             return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
         if not req.stream:
-            watcher = asyncio.create_task(server.watch_disconnect(request, cancel))
-            try:
-                answer = None
-                async for ev in server.events(make, cancel):
-                    if isinstance(ev, DoneEvent):
-                        answer = ev.answer
-            except TimeoutError:
-                raise ApiError(504, f"the request took longer than {s.timeout_s:g} s", "timeout", "timeout") from None
-            except RagspecError as exc:
-                raise ApiError(400, str(exc)) from None
-            finally:
-                cancel.set()
-                watcher.cancel()
-            if answer is None:
-                raise ApiError(499, "cancelled", "cancelled")
+            answer = await server.final_answer(make, cancel, request)
             doc = answer.as_json()
             extra = {k: doc[k] for k in ("sources", "citations", "stats", "warnings")}
             return ChatCompletion(
