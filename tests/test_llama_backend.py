@@ -210,10 +210,10 @@ def test_kv_state_after_50_steps_equals_a_plain_decode(llama, cases):
     # the next token's logits from this state and from a plain decode of the same tokens
     model.decode([(b.root, b.cached, [0], True)])
     ours = model.row(0).copy()
-    seq = prompt + out
-    model.clear()
-    model.feed(seq[:-1], 0)
-    model.decode([(seq[-1], len(seq) - 1, [0], True)])
+    model.clear()  # llama.cpp's greedy way: the prompt in one batch, then a token per decode
+    model.feed(prompt, 0)
+    for k, t in enumerate(out):
+        model.decode([(t, len(prompt) + k, [0], True)])
     assert float(np.abs(model.row(0) - ours).max()) <= 1e-4
 
 
@@ -230,9 +230,7 @@ def test_sampling_follows_the_model_distribution(llama, cases):
     b = LlamaCppBackend(model, s)
     b.prefill(prompt)
     cached, root = b.cached, b.root
-    model.decode([(root, cached, [0], True)])
-    p = target_probs(torch.from_numpy(model.row(0).copy())[None], s)[0]
-    model.lc.llama_memory_seq_rm(model.mem, 0, cached, -1)
+    p = target_probs(torch.from_numpy(b.score(DraftTree())[0])[None], s)[0]  # the root's row, cache unchanged
     top = torch.topk(p, 5).indices.tolist()
     t = DraftTree()
     for tok in (top[1], top[3], 7):  # the second and fourth most likely tokens and one the sampler never picks
@@ -286,7 +284,7 @@ def test_prefill_reports_progress_per_batch_and_stops_on_cancel(llama):
     seen = []
     b = LlamaCppBackend(model)
     b.prefill(prompt, on_progress=lambda done, total: seen.append((done, total)))
-    total = len(prompt) - 1
+    total = len(prompt)  # the whole prompt: the root's logits come from the prefill, as in llama.cpp's greedy
     assert seen == [(model.n_batch, total), (2 * model.n_batch, total), (total, total)]
     cancel = threading.Event()
     seen.clear()
