@@ -93,8 +93,9 @@ def llama_generate(model, prompt: list[int], max_new: int, eos: list[int], looku
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        # twice our window: its score buffer must hold the prompt, the answer and a last whole batch of drafts
-        peer = model._pld_peer = Llama(str(model.path), n_ctx=2 * model.n_ctx, n_batch=model.n_batch,
+        # logits_all: with a draft model llama-cpp-python 0.3.36 keeps every row's logits but sizes its buffer by
+        # this flag (n_batch rows otherwise: a prompt over one batch overflows it)
+        peer = model._pld_peer = Llama(str(model.path), n_ctx=model.n_ctx, n_batch=model.n_batch, logits_all=True,
                                        n_threads=model.n_threads, n_threads_batch=model.n_threads, verbose=False,
                                        draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup))
     out = []
