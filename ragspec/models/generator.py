@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 
@@ -63,6 +64,10 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
 
         quantize_linears(model)  # every linear but lm_head, which pack_linears packs in float32
     pack_linears(model)  # CPU only; a no-op elsewhere
+    if device == "cpu" and dtype in ("int8", "bfloat16", "float16") and os.environ.get("RAGSPEC_EXACT_ATTENTION") != "0":
+        from ragspec.models.exact_attention import use_exact_attention
+
+        use_exact_attention(model)  # rounding amplifies attention's batch-dependent ulps: see the module
     return model, tokenizer
 
 
