@@ -86,8 +86,9 @@ class GeneratorSettings(Strict):
         "needs llama-cpp-python, built by `make install`; no PLD+ drafting)"
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: float32 on CPU, bfloat16 on CUDA"
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = Field(
+        "auto", description="auto: float32 on CPU, bfloat16 on CUDA; int8 (CPU only): int8 weights per channel, "
+        "activations per token, lm_head float32"
     )
     max_new_tokens: int = Field(256, ge=1, description="answer budget, in tokens")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy (output identical to plain greedy decoding)")

@@ -11,6 +11,9 @@ versus 36 ms and 140 ms through MKL).
 HF `generate` (our vanilla baseline) included — uses the same kernels and computes the same function (up to
 float summation order). Tied weights (lm_head = embed_tokens) are packed as a copy; the embedding table
 stays as it is.
+
+bfloat16 models are packed the same way where oneDNN has bf16 linears (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT;
+native bf16 dot products, AVX512_BF16 or AMX, make them fast); elsewhere they keep plain bf16 `nn.Linear`s.
 """
 
 from __future__ import annotations
@@ -30,6 +33,19 @@ def packing_available() -> bool:
         and hasattr(ops, "_reorder_linear_weight")
         and hasattr(ops, "_linear_pointwise")
     )
+
+
+def bf16_packing_available() -> bool:
+    """oneDNN reorders and runs bf16 linear weights on this CPU: it says so, and a small one goes through (the
+    reorder refuses CPUs without AVX512BW/VL/DQ or AVX-NE-CONVERT, whatever the flag says)."""
+    if not packing_available() or not getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)():
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 16)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16, dtype=torch.bfloat16), w, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
@@ -68,8 +84,7 @@ def pack_linears(model: nn.Module, batch_hint: int = 16) -> int:
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu":
         return 0
-    bf16_ok = bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
-    if not (param.dtype == torch.float32 or (param.dtype == torch.bfloat16 and bf16_ok)):
+    if not (param.dtype == torch.float32 or (param.dtype == torch.bfloat16 and bf16_packing_available())):
         return 0
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
     for name, mod in targets:

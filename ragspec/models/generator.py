@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import weakref
 
 from ragspec.errors import RagspecError
 from ragspec.models.registry import hub_error, lookup, resolve_hub_or_folder
 
+log = logging.getLogger(__name__)
+
 
 def torch_dtype(name: str, what: str):
-    """The torch dtype for a setting's name; a bad name is a one-line error."""
+    """The torch dtype the weights load in for a setting's name (int8 loads float32, then its linears are
+    quantised); a bad name is a one-line error."""
     import torch
 
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.float32}
     if name not in dtypes:
         raise RagspecError(f"{what} dtype '{name}' is not one of {', '.join(dtypes)}")
     return dtypes[name]
@@ -30,10 +35,13 @@ def generator_source(name: str) -> str:
 
 
 def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
-    """(model, tokenizer), the model in eval mode on `device`."""
+    """(model, tokenizer), the model in eval mode on `device`. On CPU its linears are packed for oneDNN
+    (float32; bfloat16 where oneDNN runs it) or, for dtype int8, quantised (`models/int8_linear.py`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dt = torch_dtype(dtype, "generator")
+    if dtype == "int8" and device != "cpu":
+        raise RagspecError("generator dtype int8 runs on CPU only: set generator.device: cpu, or use bfloat16 on cuda")
     source = generator_source(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -45,7 +53,21 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
     model.eval()
     from ragspec.models.cpu_linear import pack_linears
 
+    if device == "cpu" and dtype == "bfloat16":
+        from ragspec.models.cpu_flags import native_bf16
+
+        if not native_bf16():
+            log.warning("generator dtype bfloat16: this CPU has no native bf16 (AVX512_BF16/AMX), so it runs "
+                        "emulated, slower than float32")
+    if dtype == "int8":
+        from ragspec.models.int8_linear import quantize_linears
+
+        quantize_linears(model)  # every linear but lm_head, which pack_linears packs in float32
     pack_linears(model)  # CPU only; a no-op elsewhere
+    if device == "cpu" and dtype in ("int8", "bfloat16", "float16") and os.environ.get("RAGSPEC_EXACT_ATTENTION") != "0":
+        from ragspec.models.exact_attention import use_exact_attention
+
+        use_exact_attention(model)  # rounding amplifies attention's batch-dependent ulps: see the module
     return model, tokenizer
 
 

@@ -224,7 +224,9 @@ class TransformersBackend:
         threads = torch.get_num_threads() if dev.type == "cpu" else 0
         h = hashlib.sha256(cfg.encode()).hexdigest()[:12]
         packed = "-packed" if getattr(model, "ragspec_packed_linears", 0) else ""  # other kernels, other costs
-        return f"{getattr(model.config, 'model_type', 'model')}-{h}-{dev.type}-{str(dtype).split('.')[-1]}-t{threads}{packed}"
+        int8 = f"-int8-{model.ragspec_int8}" if getattr(model, "ragspec_int8", "") else ""  # float32 parameters
+        return (f"{getattr(model.config, 'model_type', 'model')}-{h}-{dev.type}-{str(dtype).split('.')[-1]}"
+                f"-t{threads}{packed}{int8}")
 
     @staticmethod
     def measure_costs(model, context: int, repeats: int, sizes) -> list[float]:

@@ -1,0 +1,223 @@
+"""bf16 and int8 on CPU (SmolLM2): greedy draft-and-verify identical to the same model's own `generate`, and
+the properties that identity rests on — a row's linear output and a position's logits do not depend on the
+other rows computed with it.
+
+These run on every CPU: without native bf16 (AVX512_BF16/AMX) bf16 is emulated, and without int8 units
+(VNNI/AMX) int8 runs its exact fp32 kernel; both compute the same numbers as the native kernels, only slower,
+so the identities hold and are checked regardless. A test is skipped only where its kernel cannot run at all
+(bf16 packed linears need oneDNN bf16: AVX512BW/VL/DQ or AVX-NE-CONVERT; `torch._int_mm` needs PyTorch ≥ 2.2).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from ragspec.decoding.budget import AdaptiveBudget, CostModel
+from ragspec.decoding.drafters.pld import PromptLookupDrafter
+from ragspec.decoding.drafters.suffix import SuffixDrafter
+from ragspec.decoding.generate import SpeculativeGenerator
+from ragspec.errors import RagspecError
+from ragspec.models.cpu_flags import native_bf16, native_int8
+from ragspec.models.cpu_linear import PackedLinear, bf16_packing_available
+from ragspec.models.int8_linear import EXACT_SLICE, Int8Linear
+
+from test_engine_greedy import PASSAGES, QUESTIONS, chat_prompt, reference
+
+FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
+HAS_INT_MM = hasattr(torch, "_int_mm")
+
+
+def rows_alone_equal_batched(layer, x: torch.Tensor) -> bool:
+    """Every row of `layer(x)` is bit-identical to the row computed alone and in shorter batches."""
+    with torch.inference_mode():
+        full = layer(x)
+        for m in (1, 2, 3, 7, 16, 17, x.shape[0]):
+            if not torch.equal(layer(x[:m]), full[:m]):
+                return False
+        return all(torch.equal(layer(x[i : i + 1])[0], full[i]) for i in range(x.shape[0]))
+
+
+# -- int8 linears --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kernel", ["fp32", pytest.param("int_mm", marks=pytest.mark.skipif(
+    not HAS_INT_MM, reason="this PyTorch has no torch._int_mm"))])
+@pytest.mark.parametrize("shape", [(96, 200), (2 * EXACT_SLICE + 3, 64)], ids=["one-slice", "three-slices"])
+def test_int8_rows_are_independent(kernel, shape):
+    """Per-row activation scales: a draft row can never change another row's output (a batch-wide scale would:
+    one outlier row coarsens every row's quantisation)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(*shape)
+    x = torch.randn(40, shape[0]) * torch.logspace(-2, 2, 40)[:, None]  # rows of very different ranges
+    x[5, 3] = 500.0  # an outlier row
+    layer = Int8Linear(lin, kernel)
+    assert rows_alone_equal_batched(layer, x)
+    with torch.inference_mode():
+        y, ref = layer(x), lin(x)
+    assert ((y - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 0.03  # int8 error, per row
+
+
+@pytest.mark.skipif(not HAS_INT_MM, reason="this PyTorch has no torch._int_mm")
+def test_int8_kernels_compute_the_same_bits():
+    """The fp32 kernel is the exact integer product (every partial sum < 2²⁴), so it equals `torch._int_mm`,
+    bit for bit, including at the worst case (all ±127) and over several slices."""
+    torch.manual_seed(1)
+    for k, n in ((64, 40), (EXACT_SLICE, 24), (3 * EXACT_SLICE + 5, 16)):
+        lin = nn.Linear(k, n)
+        x = torch.randn(9, k)
+        worst = nn.Linear(k, n, bias=False)
+        worst.weight.data.fill_(-1.0)
+        for layer, inp in ((lin, x), (worst, torch.ones(3, k))):
+            with torch.inference_mode():
+                a, b = Int8Linear(layer, "int_mm")(inp), Int8Linear(layer, "fp32")(inp)
+            assert torch.equal(a, b)
+    with torch.inference_mode():
+        assert Int8Linear(worst, "fp32")(torch.ones(1, worst.in_features))[0, 0].item() == -worst.in_features
+
+
+def test_int8_zero_row_and_3d_input():
+    lin = nn.Linear(32, 8)
+    layer = Int8Linear(lin, "fp32")
+    x = torch.randn(2, 5, 32)
+    x[1, 2] = 0.0
+    with torch.inference_mode():
+        y = layer(x)
+        assert y.shape == (2, 5, 8)
+        assert torch.equal(y[1, 2], lin.bias.detach())  # an all-zero row: exactly the bias
+
+
+# -- bf16 linears --------------------------------------------------------------------------------------------
+def test_bf16_linear_rows_are_independent():
+    """Plain bf16 `nn.Linear` (what runs where oneDNN has no bf16 linear) is row-independent."""
+    torch.manual_seed(2)
+    lin = nn.Linear(576, 1536).to(torch.bfloat16)
+    assert rows_alone_equal_batched(lin, torch.randn(40, 576, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not bf16_packing_available(),
+                    reason="oneDNN bf16 linears need AVX512BW/VL/DQ or AVX-NE-CONVERT, which this CPU lacks")
+def test_bf16_packed_linear_rows_are_independent():
+    torch.manual_seed(3)
+    lin = nn.Linear(576, 1536).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    x = torch.randn(40, 576, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert (packed(x).float() - lin(x).float()).abs().max() < 0.1
+    assert rows_alone_equal_batched(packed, x)
+
+
+# -- whole models ----------------------------------------------------------------------------------------------
+def load(dtype: str):
+    from ragspec.models.generator import load_generator
+
+    return load_generator("smollm2-135m-instruct", dtype=dtype)
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "int8"])
+def smol(request):
+    return request.param, *load(request.param)
+
+
+@pytest.fixture(scope="module")
+def cases(smol):
+    _, model, tok = smol
+    eos = sorted(SpeculativeGenerator(model, tok).eos)
+    return [(prompt, reference(model, prompt, 40, eos))
+            for prompt in (chat_prompt(tok, PASSAGES[p], q) for q, p in QUESTIONS)]
+
+
+def test_model_kernels(smol):
+    dtype, model, _ = smol
+    assert model.config._attn_implementation == "ragspec_exact"
+    if dtype == "int8":
+        assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 7 * model.config.num_hidden_layers
+        assert isinstance(model.lm_head, PackedLinear)  # lm_head stays float32 (packed)
+    else:
+        assert next(model.parameters()).dtype == torch.bfloat16
+        want = PackedLinear if bf16_packing_available() else nn.Linear
+        assert type(model.model.layers[0].mlp.down_proj) is want
+
+
+def test_logits_do_not_depend_on_batching(smol, cases):
+    """A position's logits are the same bits in one forward over the whole sequence and decoding token by
+    token over the cache: rows are independent in the linears, and attention (exact_attention) rounds float64
+    to the same bits whatever the number of queries and keys."""
+    from transformers import DynamicCache
+
+    _, model, _ = smol
+    prompt, ref = cases[1]
+    seq = prompt + ref[:8]
+    with torch.inference_mode():
+        full = model(torch.tensor([seq])).logits[0, len(prompt) - 1 :]
+        cache = DynamicCache(config=model.config)
+        steps = [model(torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1]]
+        for t in ref[:8]:
+            steps.append(model(torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0, -1])
+    assert torch.equal(full, torch.stack(steps))
+
+
+@pytest.mark.parametrize("drafter", [PromptLookupDrafter, SuffixDrafter], ids=["pld", "suffix"])
+def test_greedy_matches_generate(smol, cases, drafter):
+    _, model, tok = smol
+    accepted = 0
+    for prompt, ref in cases:
+        gen = SpeculativeGenerator(model, tok, drafter=drafter(), max_new_tokens=40, budget=AdaptiveBudget(FLAT))
+        text = gen.generate(prompt)
+        assert gen.tokens == ref
+        assert text == tok.decode(ref, skip_special_tokens=True)
+        accepted += gen.stats.accepted_draft_tokens
+    assert accepted > 0
+
+
+# -- settings, keys, errors ------------------------------------------------------------------------------------
+def test_cost_key_names_the_numerics(smol):
+    """t(n) is cached per cost key: int8 (float32 parameters, packed lm_head) must not share float32's."""
+    from ragspec.decoding.backends.transformers import TransformersBackend
+
+    dtype, model, _ = smol
+    key = TransformersBackend.cost_key(model)
+    if dtype == "bfloat16":
+        assert "-bfloat16-" in key
+        return
+    marker = model.ragspec_int8
+    del model.ragspec_int8
+    try:
+        as_fp32 = TransformersBackend.cost_key(model)
+    finally:
+        model.ragspec_int8 = marker
+    assert "-float32-" in as_fp32 and key == f"{as_fp32}-int8-{marker}"
+
+
+def test_int8_is_cpu_only_and_bad_names_are_one_line():
+    from ragspec.models.generator import load_generator, torch_dtype
+    from ragspec.settings import GeneratorSettings
+
+    assert GeneratorSettings(dtype="int8").dtype == "int8"
+    with pytest.raises(RagspecError, match="CPU only"):
+        load_generator("smollm2-135m-instruct", device="cuda", dtype="int8")
+    with pytest.raises(RagspecError, match="not one of"):
+        torch_dtype("int4", "generator")
+
+
+def test_bad_int8_kernel_is_one_line(monkeypatch):
+    from ragspec.models.int8_linear import int8_kernel
+
+    monkeypatch.setenv("RAGSPEC_INT8_KERNEL", "fbgemm")
+    with pytest.raises(RagspecError, match="RAGSPEC_INT8_KERNEL"):
+        int8_kernel()
+
+
+def test_emulated_dtypes_say_so(caplog):
+    """Without native units, bf16 and int8 still load (emulated) and say, in one line each, that they are slow."""
+    if native_bf16() and native_int8():
+        pytest.skip("this CPU has native bf16 and int8: nothing to warn about")
+    with caplog.at_level(logging.WARNING):
+        if not native_bf16():
+            load("bfloat16")
+        if not native_int8():
+            load("int8")
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("bfloat16" in m and "emulated" in m for m in lines) or native_bf16()
+    assert any("int8" in m and "no faster than float32" in m for m in lines) or native_int8()
