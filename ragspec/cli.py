@@ -505,6 +505,9 @@ def bench(
         out.print(t)
         cpu = result["cpu"]
         out.print(f"CPU: {cpu['model']} · {cpu['threads']} threads · {' '.join(cpu['flags'])}")
+        mm = result["machine"]["matmul_gflops"]
+        out.print("matmul ceilings (GFLOP/s): " + " · ".join(f"{k} {mm[k]}" for k in ("float32", "bfloat16", "int8")
+                                                             if k in mm))
 
     _run(body)
 
@@ -544,7 +547,7 @@ def ask(
                         str(index_path) if index_path else None)
         with console.status("loading the index and the model…"):
             pipe.retriever  # noqa: B018 — open the index now, so a bad path fails before the model loads
-            pipe.load()
+            pipe.load(progress=lambda line: console.print(f"[dim]choosing a backend: {line}[/]"))
         from ragspec.console import PrefillProgress, status
 
         answer = None
@@ -670,7 +673,8 @@ def _print_stats(answer) -> None:
     console.print(
         f"[dim]retrieval {s.retrieval_ms:.0f} ms · prompt {s.prompt_tokens} tokens, prefill {s.prefill_ms:.0f} ms · "
         f"{s.new_tokens} tokens in {s.decode_ms / 1000:.1f} s ({s.decode_tokens_per_s:.1f} tok/s, "
-        f"{s.mean_accepted:.2f} tokens/step, drafting {s.drafting}){speed}[/]"
+        f"{s.mean_accepted:.2f} tokens/step, drafting {s.drafting}){speed}"
+        + (f" · {s.backend}/{s.dtype}" if s.backend else "") + "[/]"
     )
 
 
@@ -710,6 +714,10 @@ def serve(
 def models(
     prepare: Optional[str] = typer.Option(None, "--prepare", help="convert an embedded generator now"),
     verify: bool = typer.Option(False, "--verify", help="re-hash every cached model file"),
+    calibrate: bool = typer.Option(False, "--calibrate", help="measure (or show) which backend and dtype run "
+                                   "a generator fastest on this machine: what generator.backend auto takes"),
+    model: Optional[str] = typer.Option(None, "--model", help="the generator to calibrate (default: the default)"),
+    force: bool = typer.Option(False, "--force", help="with --calibrate: measure again, even if cached"),
 ):
     """List the model registry: embedded offline models and where their weights are."""
 
@@ -717,9 +725,16 @@ def models(
         from rich.console import Console
 
         from ragspec.models.gguf_cache import cache_dir, ensure_converted, is_valid
-        from ragspec.models.registry import EMBEDDED, ONLINE_EMBEDDER, ONLINE_RERANKER, lookup, part_paths
+        from ragspec.models.registry import (DEFAULT_GENERATOR, EMBEDDED, ONLINE_EMBEDDER, ONLINE_RERANKER, lookup,
+                                             part_paths)
 
         out = Console(highlight=False, soft_wrap=True)
+        if calibrate:
+            _quiet_libraries()
+            _print_calibration(out, model or DEFAULT_GENERATOR, force)
+            return
+        if model or force:
+            raise RagspecError("--model and --force go with --calibrate")
         if prepare:
             m = lookup(prepare, "generator")
             if m is None:
@@ -741,6 +756,64 @@ def models(
                   f"reranker {ONLINE_RERANKER}[/]")
 
     _run(body)
+
+
+SHAPES = ((1100, 32), (1100, 128), (1100, 256))  # asks `models --calibrate` predicts: 5 sources, 3 answer lengths
+
+
+def _print_calibration(out, model: str, force: bool) -> None:
+    """`ragspec models --calibrate`: the CPU, its matmul ceilings, each candidate's measurements and what
+    `generator.backend: auto` takes for a typical ask."""
+    from rich.table import Table
+
+    from ragspec.models import machine
+    from ragspec.models.registry import lookup
+
+    if lookup(model) is None and not Path(model).expanduser().exists():
+        raise RagspecError(f"--model '{model}': not an embedded generator, a local folder or a .gguf file")
+    cpu = machine.cpu_info()
+    out.print(f"CPU: {cpu['model']} · {cpu['threads']} torch threads, {cpu['cores']} cores · flags of interest: "
+              f"{' '.join(cpu['flags']) or 'none'}")
+    mm = machine.matmul_ceilings()
+    ceilings = " · ".join(f"{k} {mm[k]:.1f}" for k in ("float32", "bfloat16", "int8") if k in mm)
+    skipped = "; ".join(f"{k}: {v}" for k, v in mm["skipped"].items())
+    out.print(f"matmul {'×'.join(map(str, mm['shape']))} GFLOP/s: {ceilings}"
+              + (f" [dim]({skipped})[/]" if skipped else ""))
+    cached = machine.table_path(model).exists() and not force
+    if not cached:
+        out.print(f"measuring {model} (once per machine; about a minute per candidate on 2 cores)…")
+    table = machine.machine_table(model, force=force, progress=lambda line: out.print(f"  {line}"))
+    sizes = table["sizes"]
+    cols = [f"t({n}) ms" for n in (1, 8, 16) if n in sizes]
+    t = Table(title=f"{model} on this machine ({'cached' if cached else 'measured'} {table['measured_at']}; "
+                    f"prompt / cache {table['context']} tokens)")
+    t.add_column("candidate")
+    for c in ["prefill tok/s", *cols, "decode ms/token"] + [f"{p} + {a} s" for p, a in SHAPES] + ["busy"]:
+        t.add_column(c, justify="right")
+    notes = []
+    for row in table["candidates"]:
+        name = f"{row['backend']}/{row['dtype']}"
+        if "prefill_tps" not in row:
+            notes.append(f"{name}: {row.get('skipped') or 'failed: ' + row.get('error', '?')}")
+            continue
+        ms = dict(zip(sizes, row["ms"]))
+        share = row.get("cpu_share")
+        t.add_row(name, f"{row['prefill_tps']:.0f}", *[f"{ms[n]:.0f}" for n in (1, 8, 16) if n in ms],
+                  f"{machine.decode_ms_per_token(row, 'suffix', sizes):.0f}",
+                  *[f"{machine.predict_s(row, p, a, 'suffix', sizes):.1f}" for p, a in SHAPES],
+                  "[yellow]yes[/]" if share is not None and share < machine.BUSY else "no")
+    out.print(t)
+    for n in notes:
+        out.print(f"  [dim]{n}[/]")
+    for p, a in SHAPES:
+        c = machine.choose(table, p, a, "suffix")
+        plan = " (what a pipeline plans for)" if a == machine.EXPECTED_ANSWER_TOKENS else ""
+        out.print(f"auto picks [bold]{c.backend}/{c.dtype}[/] for a {p}-token prompt + {a}-token answer{plan}: "
+                  f"{c.reason.split(': ', 1)[-1]}")
+    out.print("[dim]predicted: prompt / prefill tok/s + answer × decode ms/token, drafting accepting "
+              f"{machine.ACCEPT:.0%} of draft tokens in a chain; busy: the measurement got under "
+              f"{machine.BUSY:.0%} of its cores twice (other jobs ran), re-run with --force when idle[/]")
+    out.print(f"[dim]cache: {machine.table_path(model)}[/]")
 
 
 def main():  # pragma: no cover

@@ -81,14 +81,16 @@ class PromptSettings(Strict):
 
 class GeneratorSettings(Strict):
     model: str = Field(DEFAULT_GENERATOR, description="embedded name, HF id or folder of a causal LM")
-    backend: Literal["transformers", "llama.cpp"] = Field(
-        "transformers", description="what runs the model: transformers (PyTorch), or llama.cpp (the GGUF as shipped; "
-        "needs llama-cpp-python, built by `make install`; no PLD+ drafting)"
+    backend: Literal["auto", "transformers", "llama.cpp"] = Field(
+        "transformers", description="what runs the model: transformers (PyTorch), llama.cpp (the GGUF as shipped; "
+        "needs llama-cpp-python, built by `make install`; no PLD+ drafting), or auto: on CPU the fastest measured "
+        "on this machine for the pipeline's ask shape (`ragspec models --calibrate`), on CUDA transformers"
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = Field(
-        "auto", description="auto: float32 on CPU, bfloat16 on CUDA; int8 (CPU only): int8 weights per channel, "
-        "activations per token, lm_head float32"
+        "auto", description="auto: bfloat16 on CUDA; on CPU float32, or bfloat16 / int8 where the CPU has them natively "
+        "and they measured faster here (with backend auto, a set dtype means transformers); int8 (CPU only): int8 "
+        "weights per channel, activations per token, lm_head float32"
     )
     max_new_tokens: int = Field(256, ge=1, description="answer budget, in tokens")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy (output identical to plain greedy decoding)")

@@ -24,6 +24,8 @@ from ragspec.decoding.drafters import METHODS, make_drafter
 from ragspec.decoding.drafters.base import DraftState
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.errors import RagspecError
+from ragspec.models.cpu_flags import read_cpuinfo
+from ragspec.models.machine import machine_info
 
 HF_METHODS = ("vanilla", "hf-pld")
 LLAMA_METHODS = ("vanilla", "llama-pld")
@@ -34,16 +36,7 @@ STEP_PARTS = ("draft", "inputs", "forward", "accept", "trim")
 
 def cpu_info() -> dict:
     """The CPU a figure came from: model name, threads and the SIMD flags that decide which kernels run."""
-    model, flags = "", []
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name") and not model:
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line.split(":", 1)[1].split()
-    except OSError:
-        pass
+    model, flags = read_cpuinfo()
     keep = [x for x in flags if x.startswith(("avx", "amx", "fma", "f16c")) or x in ("sse4_2",)]
     return {"model": model, "threads": torch.get_num_threads(), "flags": sorted(keep)}
 
@@ -190,7 +183,7 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
     identical = defaultdict(int)
     head = {"model": model_name, "category": category, "max_new_tokens": max_new_tokens,
             "budget": budget if isinstance(budget, int) else "auto", "cost_model": cost.as_dict() if cost else None,
-            "cpu": cpu_info(), "device": str(getattr(model, "device", "cpu")),
+            "cpu": cpu_info(), "machine": machine_info(), "device": str(getattr(model, "device", "cpu")),
             "backend": "llama.cpp" if is_llama(model) else "transformers"}
 
     def summary(done: int) -> dict:

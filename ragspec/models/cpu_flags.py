@@ -3,19 +3,33 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The flags of /proc/cpuinfo (empty where there is none: not Linux)."""
+def read_cpuinfo() -> tuple[str, tuple[str, ...]]:
+    """(model name, every flag) of the first CPU in /proc/cpuinfo; ("", ()) where there is none (not Linux)."""
+    model, flags = "", ()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = tuple(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return frozenset()
+    return model, flags
+
+
+def cpu_flags() -> frozenset[str]:
+    """The flags of /proc/cpuinfo (empty where there is none)."""
+    return frozenset(read_cpuinfo()[1])
+
+
+def flags_hash() -> str:
+    """A short key of every flag: a native build or a measurement holds for this set only."""
+    return hashlib.md5(" ".join(read_cpuinfo()[1]).encode()).hexdigest()[:8]
 
 
 def native_bf16() -> bool:

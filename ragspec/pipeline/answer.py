@@ -27,6 +27,8 @@ class AnswerStats:
     dropped_sources: int = 0
     ttft_ms: float = 0.0  # from the call to the first answer text (retrieval and prefill included)
     prefix_reused_tokens: int = 0  # prompt tokens whose KV cache came from an earlier generation
+    backend: str = ""  # what ran the model: transformers or llama.cpp (generator.backend auto: measured fastest)
+    dtype: str = ""  # float32 / bfloat16 / float16 (transformers), gguf (llama.cpp: the file's own quantization)
 
     def as_json(self) -> dict:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}

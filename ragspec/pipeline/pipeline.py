@@ -44,6 +44,7 @@ class Pipeline:
         self._calibration = None  # scored drafts' acceptance by confidence, learned likewise
         self._memory = None  # earlier answers the suffix drafter may copy (drafting.memory)
         self.prefix_cache = None  # a decoding.prefix_cache.PrefixStore: follow-ups reuse the KV of shared prefixes
+        self.choice = None  # models.machine.Choice: the backend and dtype `load` took, and why
         self._load_lock = threading.RLock()
 
     @classmethod
@@ -77,18 +78,25 @@ class Pipeline:
                     self._retriever = Retriever(idx, self.spec.retriever, device=self.spec.index.device)
             return self._retriever
 
-    def load(self) -> "Pipeline":
-        """Load the generator (and measure its forward cost once, when the draft budget is 'auto')."""
+    def load(self, progress=None) -> "Pipeline":
+        """Load the generator (and measure its forward cost once, when the draft budget is 'auto'). With
+        `generator.backend` / `dtype` auto on a CPU, the backend and dtype are the fastest measured on this
+        machine for this pipeline's ask shape (measured once per machine; `progress(line)` hears about it)."""
         with self._load_lock:
             if self._model is None:
                 from ragspec.models.generator import shared_generator
+                from ragspec.models.machine import resolve
 
-                g = self.spec.generator
-                if g.backend == "llama.cpp" and self.spec.drafting.method.startswith("pldplus"):
-                    raise RagspecError(f"drafting {self.spec.drafting.method} needs hidden states or attention rows, "
+                g, method = self.spec.generator, self.spec.drafting.method
+                self.choice = resolve(g, self.device, self.expected_prompt_tokens(), self.expected_answer_tokens(),
+                                      method, progress=progress)
+                if self.choice.backend == "llama.cpp" and method.startswith("pldplus"):
+                    raise RagspecError(f"drafting {method} needs hidden states or attention rows, "
                                        "which the llama.cpp backend does not give: use pld, trie, suffix or none")
-                dtype = g.dtype if g.dtype != "auto" else ("bfloat16" if self.device == "cuda" else "float32")
-                self._model, self._tokenizer = shared_generator(g.model, self.device, dtype, g.backend)
+                self._model, self._tokenizer = shared_generator(g.model, self.device, self.choice.dtype,
+                                                                self.choice.backend)
+            elif self.choice is None:
+                self.choice = given_choice(self._model)
             if self._tokenizer is None:
                 raise RagspecError("a model was given without its tokenizer")
             if self._cost is None and self.spec.drafting.budget == "auto" and self.spec.drafting.method != "none":
@@ -96,6 +104,19 @@ class Pipeline:
 
                 self._cost = calibrate(self._model)
         return self
+
+    def expected_prompt_tokens(self) -> int:
+        """The prompt length an ask will likely have, for choosing a backend: top_n sources of a chunk each
+        (less the overlap merged away) plus ~150 tokens of instruction, numbering and question."""
+        ix = self.spec.index
+        return self.spec.retriever.top_n * (ix.chunk_tokens - ix.overlap) + 150
+
+    def expected_answer_tokens(self) -> int:
+        """The answer length a backend is chosen for: max_new_tokens is a cap, and measured answers run far
+        shorter (`machine.EXPECTED_ANSWER_TOKENS`)."""
+        from ragspec.models.machine import EXPECTED_ANSWER_TOKENS
+
+        return min(self.spec.generator.max_new_tokens, EXPECTED_ANSWER_TOKENS)
 
     @property
     def model(self):
@@ -286,11 +307,23 @@ class Pipeline:
             decode_tokens_per_s=s.new_tokens / (s.decode_ms / 1000) if s.decode_ms else 0.0,
             speedup_estimate=(s.new_tokens * self._cost.time(1) / s.decode_ms) if self._cost and s.decode_ms else None,
             dropped_sources=built.dropped, ttft_ms=ttft_ms, prefix_reused_tokens=reused,
+            backend=self.choice.backend if self.choice else "", dtype=self.choice.dtype if self.choice else "",
         )
         text = "".join(parts)
         answer = Answer(question, text, list(matcher.citations) if matcher else [], built.sources, stats,
                         list(built.warnings), declined=is_declined(text))
         yield DoneEvent(answer)
+
+
+def given_choice(model):
+    """What runs a model handed to the pipeline (nothing was chosen)."""
+    from ragspec.decoding.backends import is_llama
+    from ragspec.models.machine import Choice
+
+    if is_llama(model):
+        return Choice("llama.cpp", "gguf", "a loaded model was given")
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if hasattr(model, "parameters") else ""
+    return Choice("transformers", dtype, "a loaded model was given")
 
 
 def as_sources(documents: "Iterable[str | SourceText]") -> list[SourceText]:

@@ -29,6 +29,7 @@ from ragspec.decoding.backends.base import StepResult, check_cancel
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.tree import DraftTree
 from ragspec.errors import RagspecError
+from ragspec.models.cpu_flags import flags_hash
 
 MAX_SEQS = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 plus at most 255 leaves per tree
 # llama.cpp's CPU matmuls switch kernels for big batches: on SmolLM2's Q4_1 GGUF (AVX2) a row computed in a
@@ -328,7 +329,7 @@ class LlamaCppBackend:
         """t(n) depends on the GGUF, the threads and the CPU the native build runs on."""
         st = model.path.stat()
         h = hashlib.sha256(f"{model.path.resolve()}:{st.st_size}:{model.n_batch}".encode()).hexdigest()[:12]
-        return f"llamacpp-{model.name}-{h}-cpu{_cpu_flags_hash()}-t{model.n_threads}"
+        return f"llamacpp-{model.name}-{h}-cpu{flags_hash()}-t{model.n_threads}"
 
     @staticmethod
     def measure_costs(model: LlamaCppModel, context: int, repeats: int, sizes) -> list[float]:
@@ -383,15 +384,6 @@ def fitting_nodes(tree: DraftTree, max_nodes: int, max_leaves: int) -> int:
         if leaves > max_leaves:
             return i
     return min(len(tree), max_nodes)
-
-
-def _cpu_flags_hash() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.md5(flags.encode()).hexdigest()[:8]
 
 
 _LOG_CB = None

@@ -1,0 +1,423 @@
+"""Which backend and dtype run a generator fastest on this machine — measured, never guessed.
+
+The CPU's SIMD flags decide which kernels exist: without native bf16 (AVX-512 BF16 or AMX) a bfloat16 model
+runs on slow emulation, and llama.cpp's quantized GGUF kernels can beat PyTorch's float32 on decoding while
+losing on prefill, or the reverse. So `generator.backend: auto` / `dtype: auto` measure each candidate once
+per machine (CPU model, flags, threads): prefill tok/s over a ~1,024-token prompt and t(1)…t(16), one forward
+of n tokens over a 1,024-token cache. The table is cached as JSON beside the draft budget's t(n) tables and
+`choose` picks, for an ask's shape, the candidate with the least predicted time.
+
+Each candidate is measured in a child process: a native build that dies (SIGILL on a CPU it was not built
+for) or runs out of memory costs that candidate, recorded with why, never the caller.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from ragspec.errors import RagspecError
+from ragspec.models.cpu_flags import flags_hash, read_cpuinfo
+from ragspec.paths import ragspec_home
+
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
+NATIVE_INT8 = ("avx512_vnni", "avx_vnni", "amx_int8")
+CONTEXT = 1024  # prompt / cache length of the measurements: a 5-source ask is ~900-1,300 tokens
+SIZES = (1, 2, 4, 8, 16)  # t(n) measured at these n
+MATMUL = (1024, 896, 4864)  # M×K×N: a 1,024-token prefill through Qwen2.5-0.5B's MLP up-projection
+# Drafting: each draft token is accepted with this chance once its parent is (geometric, so a step of k
+# drafts yields (1 - ACCEPT^(k+1)) / (1 - ACCEPT) tokens; 0.7 gives the ~3 tokens a step suffix drafting
+# reaches on Spec-Bench rag, README). One acceptance for every candidate: the same drafts are accepted
+# whatever runs the model; what differs is what a step of 1 + k tokens costs, t(1 + k).
+ACCEPT = 0.7
+FORMAT = 1  # bump when the table's layout or the measurement changes: old cache files are then ignored
+# The answer length a pipeline plans for: max_new_tokens is a cap, not a length. The 12 quickstart asks of
+# examples/source_stats.py (quote style, Qwen2.5-0.5B) answered in 9-67 tokens (median 13, mean 21), so their
+# time is mostly prefill; planning for the cap (256) would pick the faster decoder and lose (README).
+EXPECTED_ANSWER_TOKENS = 32
+BUSY = 0.7  # a measurement that got less than this share of its cores ran beside another job: measured again
+TIMEOUT_S = 1800  # per candidate; a busy 2-core machine measures Qwen2.5-0.5B float32 in about a minute
+
+
+# -- the CPU -------------------------------------------------------------------------------------------------
+def cpu_info() -> dict:
+    """The CPU a measurement holds for: model, the flags that decide kernels, threads torch and llama.cpp use
+    (torch's thread count; `cores`: the CPUs this process may run on, what llama.cpp takes)."""
+    import torch
+
+    model, flags = read_cpuinfo()
+    model = model or platform.processor() or platform.machine()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return {"model": model, "flags": [f for f in FLAGS if f in flags], "threads": torch.get_num_threads(),
+            "cores": cores, "flags_hash": flags_hash()}
+
+
+def native_bf16(cpu: dict | None = None) -> bool:
+    return any(f in (cpu or cpu_info())["flags"] for f in NATIVE_BF16)
+
+
+def native_int8(cpu: dict | None = None) -> bool:
+    return any(f in (cpu or cpu_info())["flags"] for f in NATIVE_INT8)
+
+
+def matmul_ceilings(repeats: int = 3, budget_s: float = 0.3) -> dict:
+    """GFLOP/s (GOP/s for int8) of an M×K×N matmul per dtype: float32 always, bfloat16 only on native bf16,
+    int8 through `torch._int_mm` where it runs. A slow path (int8 without VNNI: ~1.5 GOP/s on AVX2) is timed
+    on fewer rows (`rows`), so the whole measurement stays around a second."""
+    import torch
+
+    m, k, n = MATMUL
+    out: dict = {"shape": [m, k, n], "rows": {}, "skipped": {}}
+    names = ["float32"]
+    if native_bf16():
+        names.append("bfloat16")
+    else:
+        out["skipped"]["bfloat16"] = "no native bf16 (" + " / ".join(NATIVE_BF16) + ")"
+    names.append("int8")
+    for name in names:
+        try:
+            a, b = _operands(name, 64, k, n)  # a probe sizes the timed run
+            fn = torch._int_mm if name == "int8" else torch.matmul
+            fn(a, b)
+            t = time.perf_counter()
+            fn(a, b)
+            per_row = (time.perf_counter() - t) / 64
+            rows = int(min(m, max(64, budget_s / max(per_row, 1e-9) // 64 * 64)))
+            a, b = _operands(name, rows, k, n)
+            times = []
+            for _ in range(repeats if per_row * rows < budget_s else 1):
+                t = time.perf_counter()
+                fn(a, b)
+                times.append(time.perf_counter() - t)
+            out[name] = round(2 * rows * k * n / min(times) / 1e9, 1)
+            out["rows"][name] = rows
+        except (RuntimeError, NotImplementedError) as exc:  # e.g. no int8 matmul kernel in this torch build
+            out["skipped"][name] = _first_line(exc)
+    return out
+
+
+def _operands(name: str, rows: int, k: int, n: int):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    if name == "int8":
+        return (torch.randint(-128, 127, (rows, k), dtype=torch.int8, generator=g),
+                torch.randint(-128, 127, (k, n), dtype=torch.int8, generator=g))
+    dt = getattr(torch, name)
+    return torch.randn(rows, k, generator=g).to(dt), torch.randn(k, n, generator=g).to(dt)
+
+
+def machine_info() -> dict:
+    """What a figure was measured on: the CPU and its measured matmul ceilings (for the bench JSON)."""
+    return cpu_info() | {"matmul_gflops": matmul_ceilings()}
+
+
+# -- candidates ----------------------------------------------------------------------------------------------
+def is_gguf_file(model: str) -> bool:
+    return Path(model).expanduser().suffix == ".gguf"
+
+
+def has_gguf(model: str) -> bool:
+    """Embedded generators ship as GGUF; otherwise a local .gguf file names one."""
+    from ragspec.models.registry import lookup
+
+    return lookup(model) is not None or (is_gguf_file(model) and Path(model).expanduser().is_file())
+
+
+def _transformers(cpu: dict, model: str) -> str | None:
+    return "a .gguf file runs on llama.cpp only" if is_gguf_file(model) else None
+
+
+def _transformers_bf16(cpu: dict, model: str) -> str | None:
+    if not native_bf16(cpu):
+        return "no native bf16 on this CPU (needs " + " or ".join(NATIVE_BF16) + ")"
+    return _transformers(cpu, model)
+
+
+def _transformers_int8(cpu: dict, model: str) -> str | None:
+    if not native_int8(cpu):  # without VNNI the int8 path is an exact fp32 emulation: slower than float32
+        return "no native int8 dot products on this CPU (needs " + " or ".join(NATIVE_INT8) + ")"
+    return _transformers(cpu, model)
+
+
+def _llama(cpu: dict, model: str) -> str | None:
+    from ragspec.decoding.backends.llama_cpp import available
+
+    if not has_gguf(model):
+        return "the model has no GGUF (llama.cpp runs embedded models or a local .gguf file)"
+    return available()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A way to run the model; `needs(cpu, model)` says why it cannot run here (None: it can)."""
+
+    backend: str
+    dtype: str
+    needs: Callable[[dict, str], str | None]
+
+    @property
+    def name(self) -> str:
+        return f"{self.backend}/{self.dtype}"
+
+
+# Another dtype is one more line here, once load_generator knows it.
+CANDIDATES = (
+    Candidate("transformers", "float32", _transformers),
+    Candidate("transformers", "bfloat16", _transformers_bf16),
+    Candidate("transformers", "int8", _transformers_int8),
+    Candidate("llama.cpp", "gguf", _llama),
+)
+
+
+# -- the calibration table -----------------------------------------------------------------------------------
+def _llama_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llama_cpp_python")
+    except PackageNotFoundError:
+        return None
+
+
+def table_key(model: str, cpu: dict | None = None, candidates=CANDIDATES) -> str:
+    """Model + CPU model + CPU flags + threads (+ torch and llama.cpp versions, the linear packing switch, the
+    candidates): a change in any of them changes the kernels, so the measurements no longer hold."""
+    import torch
+
+    cpu = cpu or cpu_info()
+    model_id = model if not Path(model).expanduser().exists() else str(Path(model).expanduser().resolve())
+    parts = [FORMAT, model_id, cpu["model"], cpu["flags_hash"], cpu["threads"], cpu["cores"], torch.__version__,
+             _llama_version(), os.environ.get("RAGSPEC_PACKED_LINEAR", "1"), CONTEXT, SIZES, [c.name for c in candidates]]
+    h = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
+    slug = "".join(c if c.isalnum() or c in ".-_" else "_" for c in Path(model).name.lower())[:48]
+    return f"machine-{slug}-cpu{cpu['flags_hash']}-t{cpu['threads']}c{cpu['cores']}-{h}"
+
+
+def table_path(model: str, cache_dir: Path | None = None, cpu: dict | None = None, candidates=CANDIDATES) -> Path:
+    return (cache_dir or ragspec_home() / "calibration") / f"{table_key(model, cpu, candidates)}.json"
+
+
+def machine_table(model: str, force: bool = False, cache_dir: Path | None = None,
+                  progress: Callable[[str], None] | None = None, candidates=CANDIDATES) -> dict:
+    """The calibration table of `model` on this machine: read from the cache, else measured (each available
+    candidate in a child process) and cached. `progress(line)` hears one line per candidate."""
+    cpu = cpu_info()
+    path = table_path(model, cache_dir, cpu, candidates)
+    if path.exists() and not force:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass  # a damaged file is measured again
+    say = progress or (lambda line: None)
+    rows = []
+    for c in candidates:
+        row = {"backend": c.backend, "dtype": c.dtype}
+        why = c.needs(cpu, model)
+        if why:
+            row["skipped"] = why
+            say(f"{c.name}: skipped ({why})")
+        else:
+            say(f"{c.name}: measuring prefill and t(1)…t({SIZES[-1]}) over {CONTEXT} tokens…")
+            try:
+                row |= _measure_in_child(model, c, cpu["threads"])
+                if row["cpu_share"] < BUSY:  # another job took cores: its figures would mislead for good
+                    say(f"{c.name}: got {row['cpu_share']:.0%} of its cores (another job ran), measuring again…")
+                    again = _measure_in_child(model, c, cpu["threads"])
+                    row |= (again | {"attempts": 2}) if again["cpu_share"] > row["cpu_share"] else {"attempts": 2}
+                say(f"{c.name}: prefill {row['prefill_tps']:.0f} tok/s, t(1) {row['ms'][0]:.1f} ms "
+                    f"({row['seconds']:.0f} s)")
+            except RagspecError as exc:
+                row["error"] = str(exc)
+                say(f"{c.name}: failed ({exc})")
+        rows.append(row)
+    table = {"key": path.stem, "model": model, "cpu": cpu, "context": CONTEXT, "sizes": list(SIZES),
+             "versions": {"python": platform.python_version(), "torch": _torch_version(),
+                          "llama_cpp_python": _llama_version()},
+             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "candidates": rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(table, indent=2))
+    tmp.replace(path)
+    return table
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _measure_in_child(model: str, c: Candidate, threads: int) -> dict:
+    """`measure_candidate` in a fresh process; its JSON is the last line it prints."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+               TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "ragspec.models.machine", model, c.backend, c.dtype, str(threads)]
+    try:
+        r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RagspecError(f"measuring took over {TIMEOUT_S} s") from None
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not lines:
+        if r.returncode < 0:
+            import signal
+
+            why = f"the measuring process died of {signal.Signals(-r.returncode).name}"
+        else:
+            tail = r.stderr.strip().splitlines()
+            why = tail[-1] if tail else f"exit status {r.returncode}"
+        raise RagspecError(why[:300])
+    return json.loads(lines[-1])
+
+
+def measure_candidate(model: str, backend: str, dtype: str, context: int = CONTEXT, sizes=SIZES,
+                      repeats: int = 3) -> dict:
+    """Load `model` as the candidate says and measure it: prefill tok/s (median of `repeats` prefills of a
+    `context`-token prompt, after a short warm-up) and t(n) in ms for each n in `sizes` (the backend's own
+    `measure_costs`, made monotone as the budget does)."""
+    import resource
+
+    import numpy as np
+    import torch
+
+    from ragspec.decoding.backends import backend_class, make_backend
+    from ragspec.decoding.budget import monotone
+    from ragspec.decoding.sampling import SamplingSettings
+    from ragspec.models.generator import load_generator, load_llama_generator
+
+    t0 = time.perf_counter()
+    if backend == "llama.cpp":
+        lm, _ = load_llama_generator(model)
+    else:
+        lm, _ = load_generator(model, "cpu", dtype)
+    load_s = time.perf_counter() - t0
+    try:
+        vocab = int(lm.config.vocab_size)
+        prompt = np.random.default_rng(0).integers(100, min(vocab, 30000), context + 1).tolist()
+        threads = getattr(lm, "n_threads", None) or torch.get_num_threads()
+        b = make_backend(lm, SamplingSettings())
+        b.prefill(prompt[:64])  # warm-up: first-call allocations and kernel choices
+        r0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        prefill = sorted(b.prefill(prompt) for _ in range(repeats))[repeats // 2]
+        b.close()
+        ms = monotone(backend_class(lm).measure_costs(lm, context, repeats, list(sizes)))
+        r1, w1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    finally:
+        if hasattr(lm, "close"):
+            lm.close()
+    cpu_s = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    return {"prefill_tps": round(context / (prefill / 1000), 1), "prefill_ms": round(prefill, 1),
+            "ms": [round(x, 2) for x in ms], "load_s": round(load_s, 1), "threads": threads,
+            # the share of `threads` cores the measurement got: well under 1, another job was running
+            "cpu_share": round(cpu_s / ((w1 - w0) * threads), 2), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+# -- the choice ----------------------------------------------------------------------------------------------
+class Choice(NamedTuple):
+    backend: str
+    dtype: str
+    reason: str
+    predicted_s: float | None = None
+
+
+def decode_ms_per_token(row: dict, drafting_method: str = "suffix", sizes=SIZES) -> float:
+    """ms per answer token: t(1) with drafting 'none'; else the best step size over the measured ones,
+    min over n of t(n) / E(n - 1), E(k) = (1 - ACCEPT^(k+1)) / (1 - ACCEPT) tokens for k drafts. Where t(n)
+    is flat (oneDNN float32 here: t(8) ≈ 1.7 t(1)) drafting pays; where it grows about like n (llama.cpp's
+    quantized kernels here: t(8) ≈ 4 t(1)) a plain step is nearly as good, as the budget will find."""
+    if drafting_method == "none":
+        return row["ms"][0]
+    return min(ms * (1 - ACCEPT) / (1 - ACCEPT ** n) for n, ms in zip(sizes, row["ms"]))
+
+
+def predict_s(row: dict, prompt_tokens: int, answer_tokens: int, drafting_method: str = "suffix",
+              sizes=SIZES) -> float:
+    """Seconds for an ask: prompt_tokens / prefill tok/s + answer_tokens × decode ms per token (first order:
+    the budget's finer choices and the answer's real length are left out)."""
+    return prompt_tokens / row["prefill_tps"] + answer_tokens * decode_ms_per_token(row, drafting_method, sizes) / 1000
+
+
+def choose(table: dict, prompt_tokens: int, answer_tokens: int, drafting_method: str = "suffix",
+           backend: str = "auto", dtype: str = "auto") -> Choice:
+    """The measured candidate with the least predicted time for this shape (a pure function of the table).
+    llama.cpp is left out for PLD+ drafting (it needs hidden states or attention rows llama.cpp does not
+    give); `backend` / `dtype` other than 'auto' keep only the candidates that match."""
+    rows = [r for r in table["candidates"] if "prefill_tps" in r
+            and backend in ("auto", r["backend"]) and dtype in ("auto", r["dtype"])
+            and not (r["backend"] == "llama.cpp" and drafting_method.startswith("pldplus"))]
+    if not rows:
+        return Choice("transformers", "float32", "no candidate was measured here: transformers/float32 as before")
+    sizes = table.get("sizes", SIZES)
+    scored = sorted((predict_s(r, prompt_tokens, answer_tokens, drafting_method, sizes), i, r)
+                    for i, r in enumerate(rows))
+    best_s, _, best = scored[0]
+    others = ", ".join(f"{r['backend']}/{r['dtype']} {s:.1f} s" for s, _, r in scored[1:])
+    reason = (f"fastest measured here for a {prompt_tokens}-token prompt + {answer_tokens}-token answer: "
+              f"{best['backend']}/{best['dtype']} {best_s:.1f} s" + (f" (vs {others})" if others else ""))
+    return Choice(best["backend"], best["dtype"], reason, round(best_s, 2))
+
+
+def resolve(generator, device: str, prompt_tokens: int, answer_tokens: int, drafting_method: str,
+            progress: Callable[[str], None] | None = None, cache_dir: Path | None = None) -> Choice:
+    """What a pipeline runs for `generator` settings (backend, dtype): explicit values are honoured; on
+    CUDA auto is transformers bfloat16; on CPU auto measures the candidates left (once per machine, cached)
+    and takes the fastest for the shape — with a single candidate left, it is taken without measuring."""
+    backend, dtype = generator.backend, generator.dtype
+    if backend == "llama.cpp":
+        return Choice("llama.cpp", "gguf", "generator.backend: llama.cpp")
+    if device != "cpu":
+        return Choice("transformers", "bfloat16" if dtype == "auto" else dtype,
+                      f"on {device}: transformers, bfloat16 unless set")
+    if dtype != "auto":  # only transformers runs a chosen dtype
+        return Choice("transformers", dtype, f"generator.dtype: {dtype}")
+    cpu = cpu_info()
+    pool, left_out = [], []
+    for c in CANDIDATES:
+        if backend not in ("auto", c.backend):
+            continue
+        why = ("PLD+ drafting needs hidden states / attention rows" if c.backend == "llama.cpp"
+               and drafting_method.startswith("pldplus") else c.needs(cpu, generator.model))
+        if why:
+            left_out.append(f"{c.name}: {why}")
+        else:
+            pool.append(c)
+    if not pool:
+        raise RagspecError(f"no way to run '{generator.model}' here: " + "; ".join(left_out))
+    if len(pool) == 1:
+        c = pool[0]
+        return Choice(c.backend, c.dtype, "the only candidate here" + (f" ({'; '.join(left_out)})" if left_out else ""))
+    # the whole table (every candidate), so pipelines of other settings on this machine share one file
+    table = machine_table(generator.model, cache_dir=cache_dir, progress=progress)
+    return choose(table, prompt_tokens, answer_tokens, drafting_method, backend)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+
+
+def _main(argv: list[str]) -> None:
+    """`python -m ragspec.models.machine MODEL BACKEND DTYPE THREADS`: one candidate's measurement as JSON."""
+    model, backend, dtype, threads = argv
+    import torch
+
+    torch.set_num_threads(int(threads))
+    from ragspec.cli import _quiet_libraries
+
+    _quiet_libraries()
+    print(json.dumps(measure_candidate(model, backend, dtype)), flush=True)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

@@ -1,0 +1,196 @@
+"""Backend and dtype chosen per machine (models/machine.py): the choice by shape from a table (pure), the
+settings that skip measuring, the real calibration of SmolLM2 (each candidate in a child process) cached and
+read back without measuring, a failing or unavailable candidate recorded with why, `ragspec models
+--calibrate`, and a pipeline with `generator.backend: auto` answering."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from ragspec.cli import app
+from ragspec.errors import RagspecError
+from ragspec.models import machine
+from ragspec.models.machine import Candidate, choose, decode_ms_per_token, resolve, table_key
+from ragspec.settings import GeneratorSettings
+
+from conftest import write_corpus
+
+SMOL = "smollm2-135m-instruct"
+
+
+def row(backend, dtype, prefill_tps, ms):
+    return {"backend": backend, "dtype": dtype, "prefill_tps": prefill_tps, "ms": ms}
+
+
+# fast prefill but slow, flat steps (oneDNN float32 here) against slow prefill and fast steps that grow with n
+# (llama.cpp's quantized kernels here); shapes of this machine's measurement
+TABLE = {"sizes": [1, 2, 4, 8, 16], "candidates": [
+    row("transformers", "float32", 130.0, [150.0, 175.0, 200.0, 245.0, 320.0]),
+    {"backend": "transformers", "dtype": "bfloat16", "skipped": "no native bf16 on this CPU"},
+    row("llama.cpp", "gguf", 90.0, [37.0, 83.0, 114.0, 242.0, 355.0]),
+]}
+
+
+# -- the choice, a pure function of the table ---------------------------------------------------------------
+def test_choose_takes_the_fastest_for_the_shape():
+    long = choose(TABLE, 1100, 256, "suffix")
+    assert (long.backend, long.dtype) == ("llama.cpp", "gguf")
+    assert "1100-token prompt + 256-token answer" in long.reason and "transformers/float32" in long.reason
+    short = choose(TABLE, 1100, 8, "suffix")  # prefill dominates: the faster prefill wins
+    assert (short.backend, short.dtype) == ("transformers", "float32")
+    assert short.predicted_s < choose(TABLE, 1100, 8, backend="llama.cpp").predicted_s
+
+
+def test_pldplus_and_set_values_leave_candidates_out():
+    assert choose(TABLE, 1100, 256, "pldplus-h").backend == "transformers"
+    assert choose(TABLE, 1100, 256, "pldplus-a").backend == "transformers"
+    assert choose(TABLE, 1100, 256, "suffix", backend="transformers").dtype == "float32"
+    none = choose({"sizes": [1], "candidates": [TABLE["candidates"][1]]}, 1100, 256)
+    assert (none.backend, none.dtype) == ("transformers", "float32") and "no candidate" in none.reason
+
+
+def test_drafting_pays_only_where_t_n_is_flat():
+    flat, steep = TABLE["candidates"][0], TABLE["candidates"][2]
+    assert decode_ms_per_token(flat, "none") == 150.0 and decode_ms_per_token(steep, "none") == 37.0
+    assert decode_ms_per_token(flat, "suffix") < 0.6 * 150.0  # a chain of drafts halves the cost per token
+    assert decode_ms_per_token(steep, "suffix") == 37.0  # every bigger step costs more than it yields
+
+
+def test_settings_that_need_no_measurement():
+    cpu = GeneratorSettings(model=SMOL, backend="llama.cpp")
+    assert resolve(cpu, "cpu", 1000, 32, "suffix")[:2] == ("llama.cpp", "gguf")
+    assert resolve(GeneratorSettings(model=SMOL, backend="auto", dtype="float32"), "cpu", 1000, 32, "suffix")[:2] == \
+        ("transformers", "float32")
+    assert resolve(GeneratorSettings(model=SMOL, backend="auto"), "cuda", 1000, 32, "suffix")[:2] == \
+        ("transformers", "bfloat16")
+    if not machine.native_bf16():  # transformers + dtype auto: float32 is the only candidate, taken as is
+        c = resolve(GeneratorSettings(model=SMOL, backend="transformers"), "cpu", 1000, 32, "suffix")
+        assert c[:2] == ("transformers", "float32") and "only candidate" in c.reason
+        pld = resolve(GeneratorSettings(model=SMOL, backend="auto"), "cpu", 1000, 32, "pldplus-h")
+        assert pld[:2] == ("transformers", "float32") and "PLD+" in pld.reason
+
+
+def test_key_names_the_cpu_and_changes_with_threads():
+    import torch
+
+    cpu = machine.cpu_info()
+    assert cpu["threads"] == torch.get_num_threads() and cpu["cores"] >= 1 and cpu["model"]
+    assert set(cpu["flags"]) <= set(machine.FLAGS)
+    key = table_key(SMOL, cpu)
+    assert cpu["flags_hash"] in key and f"t{cpu['threads']}" in key
+    assert table_key(SMOL, cpu | {"threads": cpu["threads"] + 1}) != key
+    assert table_key(SMOL, cpu | {"flags_hash": "00000000"}) != key
+    assert table_key("qwen2.5-coder-0.5b-instruct", cpu) != key
+
+
+def test_matmul_ceilings():
+    mm = machine.matmul_ceilings()
+    assert mm["shape"] == [1024, 896, 4864] and mm["float32"] > 1
+    assert ("bfloat16" in mm) == machine.native_bf16()  # measured only on native bf16
+    assert "int8" in mm or "int8" in mm["skipped"]
+
+
+# -- the real calibration -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """A fresh RAGSPEC_HOME (no calibration yet) whose models/ links to the converted models already cached."""
+    from ragspec.models.gguf_cache import cache_dir, ensure_converted
+    from ragspec.models.registry import lookup
+
+    real = ensure_converted(lookup(SMOL))  # in the usual home; converted once
+    root = tmp_path_factory.mktemp("home")
+    (root / "models").mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAGSPEC_HOME", str(root))
+        (root / "models" / cache_dir(lookup(SMOL)).name).symlink_to(real)
+        yield root
+
+
+@pytest.fixture(scope="module")
+def table(home):
+    lines = []
+    t = time.perf_counter()
+    table = machine.machine_table(SMOL, progress=lines.append)
+    return table, lines, time.perf_counter() - t
+
+
+def test_calibration_measures_each_candidate_once_then_reads_the_cache(home, table):
+    from ragspec.decoding.backends.llama_cpp import available
+
+    tab, lines, _ = table
+    path = machine.table_path(SMOL)
+    assert path.parent == home / "calibration" and path.exists()
+    rows = {(r["backend"], r["dtype"]): r for r in tab["candidates"]}
+    fp32 = rows["transformers", "float32"]
+    assert fp32["prefill_tps"] > 0 and len(fp32["ms"]) == len(machine.SIZES) and fp32["ms"] == sorted(fp32["ms"])
+    assert 0 < fp32["cpu_share"] <= 1.5
+    if available() is None:
+        assert rows["llama.cpp", "gguf"]["prefill_tps"] > 0
+    else:
+        assert rows["llama.cpp", "gguf"]["skipped"] == available()
+    if not machine.native_bf16():
+        assert "no native bf16" in rows["transformers", "bfloat16"]["skipped"]
+    assert len(lines) >= len(machine.CANDIDATES)  # one progress line per candidate at least
+    # the second call reads the file: nothing measured, nothing written
+    stamp = path.stat().st_mtime_ns
+    t = time.perf_counter()
+    again = machine.machine_table(SMOL, progress=lines.append)
+    assert time.perf_counter() - t < 2.0 and again == tab and path.stat().st_mtime_ns == stamp
+    assert len(lines) == len(table[1])  # no progress: no candidate was measured
+    assert json.loads(path.read_text())["cpu"] == machine.cpu_info()
+
+
+def test_unavailable_and_failing_candidates_are_recorded_with_why(home):
+    from ragspec.models.gguf_cache import cache_dir
+    from ragspec.models.registry import lookup
+
+    folder = str(home / "models" / cache_dir(lookup(SMOL)).name)  # an HF folder: no GGUF for llama.cpp
+    broken = Candidate("transformers", "int3", lambda cpu, model: None)  # the child fails to load it
+    llama = next(c for c in machine.CANDIDATES if c.backend == "llama.cpp")
+    tab = machine.machine_table(folder, candidates=(llama, broken), cache_dir=home / "other")
+    skipped, failed = tab["candidates"]
+    assert "has no GGUF" in skipped["skipped"] and "prefill_tps" not in skipped
+    assert "int3" in failed["error"] and "prefill_tps" not in failed
+    assert choose(tab, 1000, 100).reason.startswith("no candidate")
+
+
+def test_models_calibrate_prints_the_table(home, table):
+    r = CliRunner().invoke(app, ["models", "--calibrate", "--model", SMOL])
+    assert r.exit_code == 0, r.output
+    out = r.output
+    assert "CPU:" in out and "matmul 1024×896×4864 GFLOP/s: float32" in out
+    assert "transformers/float32" in out and "prefill tok/s" in out and "cached" in out
+    assert out.count("auto picks") == 3 and "1100-token prompt + 256-token answer" in out
+    assert "what a pipeline plans for" in out
+    bad = CliRunner().invoke(app, ["models", "--calibrate", "--model", "no/such-model-here"])
+    assert bad.exit_code == 2 and "not an embedded generator" in bad.output
+    assert CliRunner().invoke(app, ["models", "--force"]).exit_code == 2
+
+
+def test_pipeline_with_backend_auto_chooses_and_answers(home, table, tmp_path, embedder):
+    from ragspec.index.builder import build_index
+    from ragspec.pipeline import Pipeline
+    from ragspec.retrieve.retriever import Retriever
+    from ragspec.settings import IndexSettings, RetrieverSettings
+
+    corpus = write_corpus(tmp_path / "corpus")
+    build_index(corpus, tmp_path / "ix", IndexSettings(chunk_tokens=48, overlap=8), embedder=embedder,
+                show_progress=False)
+    spec = {"retriever": {"top_n": 3}, "generator": {"model": SMOL, "backend": "auto", "max_new_tokens": 16},
+            "drafting": {"method": "suffix", "budget": 16}}
+    pipe = Pipeline(spec, Retriever(str(tmp_path / "ix"), RetrieverSettings(top_n=3), embedder=embedder)).load()
+    assert pipe.expected_answer_tokens() == 16  # the cap, under machine.EXPECTED_ANSWER_TOKENS
+    expected = choose(table[0], pipe.expected_prompt_tokens(), 16, "suffix")
+    assert pipe.choice == expected
+    answer = pipe.ask("Where does the Danube rise?")
+    assert answer.text and answer.stats.new_tokens > 0
+    assert (answer.stats.backend, answer.stats.dtype) == pipe.choice[:2]
+    plus = Pipeline({**spec, "drafting": {"method": "pldplus-h", "budget": 16}}, pipe.retriever).load()
+    assert plus.choice.backend == "transformers"  # PLD+ needs what only transformers gives
+    with pytest.raises(RagspecError, match="hidden states"):
+        Pipeline({**spec, "generator": {**spec["generator"], "backend": "llama.cpp"},
+                  "drafting": {"method": "pldplus-a"}}, pipe.retriever).load()
