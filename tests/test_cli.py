@@ -61,7 +61,8 @@ def test_eval_retrieval_json(tmp_path):
                             str(tmp_path / "ev"), "--json"])
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
-    for stage in ("dense", "bm25", "hybrid"):
+    for stage in ("dense", "bm25", "hybrid", "sources"):
         assert set(res["stages"][stage]) == {"ndcg@10", "recall@100", "mrr@10"}
     assert res["stages"]["hybrid"]["ndcg@10"] == 1.0
+    assert res["stages"]["sources"]["ndcg@10"] == 1.0  # what an ask gets, after source building
     assert "ann_recall@10" in res

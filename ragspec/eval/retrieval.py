@@ -48,13 +48,23 @@ def doc_ranking(index: Index, chunk_ranking: list[tuple[int, float]]) -> list[st
     return list(seen)
 
 
+def source_doc_ranking(hits) -> list[str]:
+    """Sources (after merging, duplicate collapsing and diversity) → document keys: each source's locations in
+    order, the primary first (a copied or contained passage retrieves its document at the source's rank)."""
+    seen: dict[str, None] = {}
+    for h in hits:
+        for loc in h.locations:
+            seen.setdefault(loc.key or loc.path, None)
+    return list(seen)
+
+
 def evaluate(index: Index, queries: dict[str, str], qrels: dict[str, dict[str, int]], ann_index: Index | None = None,
              limit: int | None = None, reranker: str | None = None, progress=None) -> dict:
     qids = [q for q in queries if q in qrels][: limit or None]
     if not qids:
         raise RagspecError("no query has qrels: check that the queries and qrels files belong together")
     retriever = Retriever(index, RetrieverSettings(top_k=100, top_n=100, reranker=reranker))
-    stages = {"dense": [], "bm25": [], "hybrid": []}
+    stages = {"dense": [], "bm25": [], "hybrid": [], "sources": []}
     if reranker:
         stages["reranked"] = []
     ann_recalls = []
@@ -75,8 +85,10 @@ def evaluate(index: Index, queries: dict[str, str], qrels: dict[str, dict[str, i
         runs = {"dense": dense, "bm25": bm25, "hybrid": hybrid}
         if reranker:
             runs["reranked"] = retriever.rerank(q, hybrid[:100])
-        for name, run in runs.items():
-            ranked = doc_ranking(index, run)
+        ranked_by = {name: doc_ranking(index, run) for name, run in runs.items()}
+        # what an ask gets: the retriever's sources with the default settings (duplicates, neighbours, diversity)
+        ranked_by["sources"] = source_doc_ranking(retriever.search(q, top_n=100))
+        for name, ranked in ranked_by.items():
             stages[name].append((ndcg_at(ranked, rel, 10), recall_at(ranked, rel, 100), mrr_at(ranked, rel, 10)))
         if ann_ret is not None:
             exact = [i for i, _ in dense[:10]]
