@@ -1,13 +1,14 @@
 """What the sources of an ask cost: duplicate sources, touching same-document pairs and prompt tokens.
 
-Retrieval and prompt only (no generation): each question is retrieved as `Pipeline.ask` would, and the prompt is
-built with the pipeline's PromptBuilder and the generator's tokenizer.
-Usage: python examples/source_stats.py INDEX [--json OUT]
+Each question is retrieved as `Pipeline.ask` would, and the prompt is built with the pipeline's PromptBuilder and
+the generator's tokenizer. `--ttft` also asks it (one new token, after a warm-up ask) for the time to first
+token; `--pipeline FILE` sets the retriever (e.g. `retriever: {merge: false, containment: null}` for "before").
+Usage: python examples/source_stats.py INDEX [--pipeline FILE] [--ttft] [--json OUT]
 """
 
+import argparse
 import json
 import re
-import sys
 import time
 
 from transformers import AutoTokenizer
@@ -41,11 +42,13 @@ def shingles(text, n=5):
     return {tuple(w[i:i + n]) for i in range(max(1, len(w) - n + 1))}
 
 
-def measure(index):
-    pipe = Pipeline(None, index)
+def measure(index, pipeline=None, ttft=False):
+    pipe = Pipeline(pipeline, index)
     tok = AutoTokenizer.from_pretrained(generator_source(pipe.spec.generator.model))
     builder = PromptBuilder(tok, pipe.spec.prompt.style, pipe.spec.prompt.system)
     pipe.retrieve(QUESTIONS[0])  # warm: index, embedder, BM25
+    if ttft:
+        pipe.ask(QUESTIONS[0], max_new_tokens=1)  # warm: model, kernels
     rows = []
     for q in QUESTIONS:
         t = time.perf_counter()
@@ -64,14 +67,27 @@ def measure(index):
         rows.append({"question": q, "sources": len(sources), "locations": locs, "duplicates": dup,
                      "contained": contained, "touching": touching, "prompt_tokens": len(built.ids),
                      "retrieval_ms": round(ms, 1)})
+        if ttft:
+            rows[-1]["ttft_s"] = round(pipe.ask(q, max_new_tokens=1).stats.ttft_ms / 1000, 2)
     return rows
 
 
 if __name__ == "__main__":
-    rows = measure(sys.argv[1])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("index")
+    ap.add_argument("--pipeline", default=None)
+    ap.add_argument("--ttft", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    rows = measure(a.index, a.pipeline, a.ttft)
     for r in rows:
         print(f"{r['question'][:60]:60s} src {r['sources']} loc {r['locations']:2d} dup {r['duplicates']} "
-              f"cont {r['contained']} touch {r['touching']} tokens {r['prompt_tokens']:5d} {r['retrieval_ms']:6.1f} ms")
-    if "--json" in sys.argv:
-        with open(sys.argv[sys.argv.index("--json") + 1], "w") as fh:
+              f"cont {r['contained']} touch {r['touching']} tokens {r['prompt_tokens']:5d} {r['retrieval_ms']:6.1f} ms"
+              + (f" ttft {r['ttft_s']:5.2f} s" if "ttft_s" in r else ""), flush=True)
+    n = len(rows)
+    print(f"sums: duplicates {sum(r['duplicates'] for r in rows)}, contained {sum(r['contained'] for r in rows)}, "
+          f"touching {sum(r['touching'] for r in rows)}; mean prompt tokens {sum(r['prompt_tokens'] for r in rows) / n:.0f}"
+          + (f"; mean ttft {sum(r['ttft_s'] for r in rows) / n:.2f} s" if a.ttft else ""))
+    if a.json:
+        with open(a.json, "w") as fh:
             json.dump(rows, fh, indent=1)
