@@ -443,8 +443,8 @@ def bench_search(
 @app.command()
 def bench(
     prompts: Path = typer.Option(Path("../shared/data/spec_bench/question.jsonl"), "--prompts"),
-    category: str = typer.Option("rag", "--category"),
-    limit: Optional[int] = typer.Option(None, "--limit"),
+    category: str = typer.Option("rag", "--category", help="a Spec-Bench category, or all (each category in turn)"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="at most N prompts (of each category with all)"),
     offset: int = typer.Option(0, "--offset", help="skip the category's first N prompts (a held-out fold)"),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", "--model"),
     methods: Optional[str] = typer.Option(None, "--methods",
@@ -469,6 +469,8 @@ def bench(
             raise RagspecError(f"{prompts} does not exist")
         if max_new_tokens < 1:
             raise RagspecError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
+        if limit is not None and limit < 1:
+            raise RagspecError(f"--limit must be at least 1, not {limit}")
         rows = load_prompts(prompts, category, limit, offset)
         if backend not in ("transformers", "llama.cpp"):
             raise RagspecError(f"--backend must be transformers or llama.cpp, not '{backend}'")
@@ -481,15 +483,33 @@ def bench(
         peer = "llama-pld" if backend == "llama.cpp" else "hf-pld"
         chosen = methods or f"vanilla,{peer},pld,trie,suffix,oracle"
         b = budget if budget == "auto" else int(budget)
-        with progress() as bar:
-            task = bar.add_task(f"{category} × {len(rows)}", total=len(rows))
-            result = run_bench(lm, tok, rows, [m.strip() for m in chosen.split(",") if m.strip()], max_new_tokens,
-                               b, progress=lambda: bar.advance(task), model_name=model, category=category,
-                               on_prompt=(lambda r: _write_json_atomic(json_out, r)) if json_out else None)
-        if plot_out:
-            plot(result, plot_out)
+        chosen_methods = [m.strip() for m in chosen.split(",") if m.strip()]
+        write = (lambda r: _write_json_atomic(json_out, r)) if json_out else None
         from rich.console import Console
         from rich.table import Table
+
+        out = Console(width=None if sys.stdout.isatty() else 200)  # a log file gets the whole table
+        if category == "all":
+            from ragspec.bench.decoding import run_categories
+
+            with progress() as bar:
+                task = bar.add_task(f"all categories × {len(rows)}", total=len(rows))
+                result = run_categories(lm, tok, rows, chosen_methods, max_new_tokens, b,
+                                        progress=lambda: bar.advance(task), model_name=model, on_result=write)
+            if plot_out:
+                for cat, r in result["categories"].items():
+                    plot(r, plot_out.with_name(f"{plot_out.stem}-{cat}{plot_out.suffix}"))
+            out.print(_category_table(result, model, backend, max_new_tokens))
+            first = next(iter(result["categories"].values()))
+            _print_machine(out, first)
+            return
+        with progress() as bar:
+            task = bar.add_task(f"{category} × {len(rows)}", total=len(rows))
+            result = run_bench(lm, tok, rows, chosen_methods, max_new_tokens,
+                               b, progress=lambda: bar.advance(task), model_name=model, category=category,
+                               on_prompt=write)
+        if plot_out:
+            plot(result, plot_out)
 
         t = Table(title=f"{model} ({backend}) — {category}, {len(rows)} prompts, {max_new_tokens} new tokens")
         for col in ("method", "tok/s", "decode tok/s", "speed-up", "of ceiling", "tok/step", "nodes/step",
@@ -501,15 +521,40 @@ def bench(
             t.add_row(m, f(r["tokens_per_s"]), f(r["decode_tokens_per_s"]), f(r["speedup"], "{:.2f}×"),
                       f(r.get("of_ceiling"), "{:.0%}"), f(r["mean_accepted"]), f(r["tree_nodes_per_step"]), split,
                       f"{r['identical']}/{len(rows)}", f(r["drafter_memory_mb_4k"]))
-        out = Console(width=None if sys.stdout.isatty() else 200)  # a log file gets the whole table
         out.print(t)
-        cpu = result["cpu"]
-        out.print(f"CPU: {cpu['model']} · {cpu['threads']} threads · {' '.join(cpu['flags'])}")
-        mm = result["machine"]["matmul_gflops"]
-        out.print("matmul ceilings (GFLOP/s): " + " · ".join(f"{k} {mm[k]}" for k in ("float32", "bfloat16", "int8")
-                                                             if k in mm))
+        _print_machine(out, result)
 
     _run(body)
+
+
+def _category_table(result: dict, model: str, backend: str, max_new_tokens: int):
+    """`bench --category all`: one row per category, a column per method: speed-up over vanilla (tokens per
+    step); the oracle column is the ceiling; identical counts every method's outputs."""
+    from rich.table import Table
+
+    cats = result["table"]
+    methods = list(next(iter(cats.values())))
+    t = Table(title=f"{model} ({backend}) — all categories, {max_new_tokens} new tokens: speed-up (tokens/step)")
+    t.add_column("category", justify="left")
+    t.add_column("prompts", justify="right")
+    for m in methods:
+        t.add_column("oracle (ceiling)" if m == "oracle" else m, justify="right")
+    t.add_column("identical", justify="right")
+    for cat, row in cats.items():
+        n = next(iter(row.values()))["prompts"]
+        cells = [f"{v['speedup']:.2f}×" + (f" ({v['mean_accepted']:.2f})" if v["mean_accepted"] else "")
+                 for v in row.values()]
+        same = sum(v["identical"] for v in row.values())
+        t.add_row(cat, str(n), *cells, f"{same}/{n * len(row)}")
+    return t
+
+
+def _print_machine(out, result: dict) -> None:
+    cpu = result["cpu"]
+    out.print(f"CPU: {cpu['model']} · {cpu['threads']} threads · {' '.join(cpu['flags'])}")
+    mm = result["machine"]["matmul_gflops"]
+    out.print("matmul ceilings (GFLOP/s): " + " · ".join(f"{k} {mm[k]}" for k in ("float32", "bfloat16", "int8")
+                                                         if k in mm))
 
 
 @app.command()

@@ -40,3 +40,33 @@ def test_bench_json_schema(tmp_path):
     assert {"model", "flags", "threads", "cores", "matmul_gflops"} <= set(machine)
     assert machine["matmul_gflops"]["float32"] > 0 and machine["matmul_gflops"]["shape"] == [1024, 896, 4864]
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_bench_all_categories_in_one_run(tmp_path):
+    """`--category all`: every category of the file in one process, `--limit` per category, one table."""
+    from ragspec.bench.decoding import load_prompts
+
+    prompts = tmp_path / "q.jsonl"
+    rows = [("summarization", "Summarize: The Danube flows through ten countries. The Danube flows through ten."),
+            ("qa", "What is the capital of France?"),
+            ("summarization", "Summarize: The Rhine rises in the Alps. The Rhine rises in the Alps and flows north."),
+            ("qa", "Who wrote Hamlet?")]
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                               for i, (c, t) in enumerate(rows)))
+    assert [r["question_id"] for r in load_prompts(prompts, "all", 1)] == [0, 1]
+    assert [r["question_id"] for r in load_prompts(prompts, "all", None, offset=1)] == [2, 3]
+    out = tmp_path / "all.json"
+    r = CliRunner().invoke(app, ["bench", "--prompts", str(prompts), "--category", "all", "--limit", "1", "--model",
+                                 "smollm2-135m-instruct", "--methods", "vanilla,suffix,oracle", "--max-new-tokens",
+                                 "8", "--budget", "16", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    assert res["category"] == "all" and res["complete"] is True
+    assert list(res["categories"]) == ["summarization", "qa"]
+    for cat, result in res["categories"].items():
+        assert result["category"] == cat and result["prompts"] == 1
+        assert set(res["table"][cat]) == {"vanilla", "suffix", "oracle"}
+        assert res["table"][cat]["suffix"]["identical"] == 1
+    assert "all categories" in r.output and "oracle (ceiling)" in r.output
+    bad = CliRunner().invoke(app, ["bench", "--prompts", str(prompts), "--category", "all", "--limit", "0"])
+    assert bad.exit_code != 0 and "--limit must be at least 1" in bad.output

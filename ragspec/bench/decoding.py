@@ -42,18 +42,61 @@ def cpu_info() -> dict:
 
 
 def load_prompts(path: Path, category: str, limit: int | None, offset: int = 0) -> list[dict]:
-    """Prompts of one category (`all`: every category), skipping the first `offset` (a held-out fold)."""
-    rows = []
+    """Prompts of one category, or of every category (`all`), in file order; `offset` and `limit` apply per
+    category (skip the first `offset` of each: a held-out fold; then at most `limit` of each)."""
+    groups: dict[str, list[dict]] = {}
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 obj = json.loads(line)
-                if obj.get("category") == category:
-                    rows.append(obj)
-    rows = rows[offset:]
+                groups.setdefault(obj.get("category"), []).append(obj)
+    rows = []
+    for cat in (list(groups) if category == "all" else [category]):
+        chosen = groups.get(cat, [])[offset:]
+        rows += chosen[:limit] if limit else chosen
     if not rows:
         raise RagspecError(f"no prompts of category '{category}' in {path}" + (f" after the first {offset}" if offset else ""))
-    return rows[:limit] if limit else rows
+    return rows
+
+
+def by_category(rows: list[dict]) -> dict[str, list[dict]]:
+    """Prompts grouped by category, in the order the categories first appear."""
+    out: dict[str, list[dict]] = {}
+    for row in rows:
+        out.setdefault(row.get("category") or "?", []).append(row)
+    return out
+
+
+def run_categories(model, tokenizer, rows: list[dict], methods: list[str], max_new_tokens: int = 128,
+                   budget: str | int = "auto", progress=None, model_name: str = "", on_result=None) -> dict:
+    """`--category all`: `run_bench` on each category in turn in one process (the model loads once), one result
+    per category and a category × method table; `on_result(result_so_far)` after every prompt."""
+    out = {"model": model_name, "category": "all", "max_new_tokens": max_new_tokens, "complete": False,
+           "categories": {}}
+
+    def keep(cat: str, result: dict) -> None:
+        out["categories"][cat] = result
+        out["table"] = category_table(out)
+        if on_result:
+            on_result(out)
+
+    for cat, prompts in by_category(rows).items():
+        keep(cat, run_bench(model, tokenizer, prompts, methods, max_new_tokens, budget, progress=progress,
+                            model_name=model_name, category=cat, on_prompt=lambda r, c=cat: keep(c, r)))
+    out["complete"] = True
+    if on_result:
+        on_result(out)
+    return out
+
+
+def category_table(result: dict) -> dict:
+    """{category: {method: {"speedup", "mean_accepted", "of_ceiling", "identical", "prompts"}}} of an `all` run."""
+    table = {}
+    for cat, r in result["categories"].items():
+        table[cat] = {m: {"speedup": v["speedup"], "mean_accepted": v["mean_accepted"],
+                          "of_ceiling": v.get("of_ceiling"), "identical": v["identical"], "prompts": r["prompts"]}
+                      for m, v in r["methods"].items()}
+    return table
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
