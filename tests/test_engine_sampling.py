@@ -128,10 +128,7 @@ def test_suffix_drafts_keep_the_distribution(smol):
     assert len(tree.children(-1)) >= 2 and tree.max_depth() >= 2  # branches and depth: both exercised
     v = Verifier(model, SETTINGS)
     v.prefill(prompt)
-    with torch.inference_mode():
-        ids = torch.tensor([[v.root] + tree.tokens])
-        pos = torch.tensor([tree.position_ids(v.cached)])
-        logits = v._forward(ids, pos, tree.attention_mask(v.cached, v.dtype)).logits[0]
+    logits = v.score(tree)
     gen = torch.Generator().manual_seed(7)
     counts: dict[tuple[int, int], int] = {}
     for _ in range(SAMPLES):

@@ -1,9 +1,10 @@
 """What a verifier backend does, whatever runs the model: the loop (generate.py), drafters, budget, streaming
 and attribution see only this, so they never depend on torch or llama.cpp through the backend.
 
-A backend holds one model's KV state and the sequence decoded so far. `prefill` caches every prompt token but
-the last (the first step's root); `step` runs [root + tree] in one forward, accepts a path (accept.py) and
-keeps only that path in the cache; `calibrate` measures t(n), the forward time of n tokens, for the budget.
+A backend holds one model's KV state and the sequence decoded so far. `prefill` caches the prompt, its last
+token (the first step's root) included where it can, keeping that row's logits, so the first step runs only
+its tree (as HF `generate` and llama.cpp read a prompt: no extra one-token forward); `step` runs [root + tree]
+in one forward, accepts a path (accept.py) and keeps only that path in the cache; `calibrate` measures t(n), the forward time of n tokens, for the budget.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ class Backend(Protocol):
 
     def prefill(self, prompt_ids: list[int], prefix=None, on_progress: Progress | None = None,
                 cancel=None) -> float:
-        """Cache the prompt but its last token, in `PREFILL_CHUNK` chunks (`on_progress` after each, `cancel`
-        checked before each: `Cancelled`); returns ms."""
+        """Cache the prompt in `PREFILL_CHUNK` chunks (`on_progress` after each, `cancel` checked before each:
+        `Cancelled`); returns ms."""
 
     def step(self, tree: DraftTree) -> StepResult:
         """Verify [root + tree] in one forward; keep the accepted path in the cache."""

@@ -42,13 +42,18 @@ class TransformersBackend:
         self._capture = None
         self._attention = None  # [cached] max over the chosen heads of the last cached position's attention
         self._gen = new_generator(self.sampling)
+        self._root_logits = None  # set by a prefill that cached the root too: its logits, for the first step
 
     # -- prefill -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], prefix=None, on_progress=None, cancel=None) -> float:
-        """Cache every prompt token but the last, which becomes the first step's root, in `PREFILL_CHUNK`
-        chunks (see base.py). Returns ms. `prefix`: a `prefix_cache.PrefixStore`; the longest cached prefix of
-        the prompt is reused, not recomputed."""
+        """Cache the prompt in `PREFILL_CHUNK` chunks (see base.py); its last token is the first step's root.
+        Returns ms. `prefix`: a `prefix_cache.PrefixStore`; the longest cached prefix of the prompt is reused,
+        not recomputed.
+
+        The root is cached with the rest and its logits kept (as HF `generate` reads a prompt), so the first
+        step runs only its tree, or no forward at all for a plain step: one t(1) less per generation. A PLD+
+        drafter's hidden states or attention row of the last cached token keep the root out of the prefill."""
         from transformers import DynamicCache
 
         if not prompt_ids:
@@ -63,9 +68,13 @@ class TransformersBackend:
         t = time.perf_counter()
         # with attention heads to read, the last cached token runs alone with eager attention (its row is
         # what the first step ranks by); the rest of the prompt keeps the fast attention kernel
+        self._root_logits = None
+        whole = self.hidden_layer is None and not self.attention_heads  # the root is cached too
         split = len(prompt_ids) - 2 if self.attention_heads and len(prompt_ids) > 2 else len(prompt_ids) - 1
-        if prefix is not None and self.hidden_layer is None and not self.attention_heads:
-            cache, self.cached = prefix.lookup(prompt_ids, split)
+        split = len(prompt_ids) if whole else split
+        if prefix is not None and whole:
+            # at least the root is computed here: its logits are the first step's
+            cache, self.cached = prefix.lookup(prompt_ids, len(prompt_ids) - 1)
             self.cache = cache if cache is not None else self.cache
         total = split - self.cached
         for a, b in chunks(self.cached, split):
@@ -81,6 +90,8 @@ class TransformersBackend:
             if self.hidden_layer is not None:
                 self._append_hidden(out.hidden_states[self.hidden_layer][0], at=a)
             self.cached = b
+            if whole and b == split:
+                self._root_logits = out.logits[0, -1]
             if on_progress is not None:
                 on_progress(b - (split - total), total)
         check_cancel(cancel)
@@ -104,22 +115,8 @@ class TransformersBackend:
     def step(self, tree: DraftTree) -> StepResult:
         n = len(tree)
         t0 = time.perf_counter()
-        ids = torch.tensor([[self.root] + tree.tokens], device=self.device)
-        pos = torch.tensor([tree.position_ids(self.cached)], device=self.device)
-        mask = tree.attention_mask(self.cached, self.dtype, self.device)
-        if self.window:  # one mask per layer type
-            mask = {"full_attention": mask,
-                    "sliding_attention": tree.attention_mask(self.cached, self.dtype, self.device, self.window)}
-        t1 = time.perf_counter()
-        if self._capture is not None:
-            from ragspec.decoding.heads import eager_attention
-
-            self._capture.reset()
-            with eager_attention(self.model):
-                out = self._forward(ids, pos, mask)
-        else:
-            out = self._forward(ids, pos, mask)
-        logits = out.logits[0]
+        logits, out, first, t1 = self._logits(tree)
+        self._root_logits = None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
@@ -129,7 +126,8 @@ class TransformersBackend:
             path, bonus = accept_sampled(tree, logits, self.sampling, self._gen)
         t3 = time.perf_counter()
         forward_ms = (t3 - t1) * 1000
-        keep_rows = [0] + [i + 1 for i in path]
+        # rows of this step's inputs to keep: [root + tree], or [tree] when the prefill cached the root
+        keep_rows = list(path) if first else [0] + [i + 1 for i in path]
         if self._capture is not None and self._capture.rows is not None:
             row = self._capture.rows[keep_rows[-1]]
             base = self.cached
@@ -152,6 +150,44 @@ class TransformersBackend:
             timings={"inputs": (t1 - t0) * 1000, "forward": (t2 - t1) * 1000, "accept": (t3 - t2) * 1000,
                      "trim": (t4 - t3) * 1000},
         )
+
+    def _logits(self, tree: DraftTree):
+        """(logits [1 + n, vocab] of [root + tree], the forward's output or None, root cached, inputs done at):
+        the forward appends the rows it runs to the cache."""
+        first = self._root_logits is not None
+        root_at = self.cached - 1 if first else self.cached  # the root's position
+        rows = slice(1, None) if first else slice(None)  # a cached root is not run again
+        ids = torch.tensor([([] if first else [self.root]) + tree.tokens], device=self.device)
+        pos = torch.tensor([tree.position_ids(root_at)[rows]], device=self.device)
+        mask = tree.attention_mask(root_at, self.dtype, self.device)[:, :, rows]
+        if self.window:  # one mask per layer type
+            mask = {"full_attention": mask, "sliding_attention":
+                    tree.attention_mask(root_at, self.dtype, self.device, self.window)[:, :, rows]}
+        t1 = time.perf_counter()
+        if first and not len(tree):
+            return self._root_logits[None], None, first, t1
+        if self._capture is not None:
+            from ragspec.decoding.heads import eager_attention
+
+            self._capture.reset()
+            with eager_attention(self.model):
+                out = self._forward(ids, pos, mask)
+        else:
+            out = self._forward(ids, pos, mask)
+        logits = out.logits[0]
+        if first:
+            logits = torch.cat([self._root_logits[None].to(logits.dtype), logits])
+        return logits, out, first, t1
+
+    @torch.inference_mode()
+    def score(self, tree: DraftTree):
+        """Every row's logits [1 + n, vocab] for [root + tree], the cache left as it was (for tests/tools)."""
+        base, keep = self.cached, self._root_logits
+        logits, _, _, _ = self._logits(tree)
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, :base], layer.values[:, :, :base]
+        self._root_logits = keep
+        return logits
 
     def _forward(self, ids, pos, mask):
         return self.model(
