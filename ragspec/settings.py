@@ -101,17 +101,18 @@ class GeneratorSettings(Strict):
 
 
 class DraftingSettings(Strict):
-    method: Literal["none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a"] = Field(
+    method: Literal["none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a", "auto"] = Field(
         "suffix", description="where drafts come from (none = plain decoding through the same verifier)"
     )
     budget: int | Literal["auto"] = Field(
         "auto", description="draft tree size: auto = cost-aware (measured forward cost), or a fixed node count"
     )
-    params: dict[str, int | float] = Field(
-        default_factory=dict, description="the method's own parameters, e.g. {n: 13, lp: 3, num_draft: 64} for trie"
+    params: dict[str, int | float | str | list[str]] = Field(
+        default_factory=dict, description="the method's own parameters, e.g. {n: 13, lp: 3, num_draft: 64} for trie, "
+                                          "{parts: [suffix, pld]} for auto"
     )
     memory: int = Field(
-        64, ge=0, description="suffix: earlier answers of this pipeline it may draft from (LRU; 0 = off)"
+        64, ge=0, description="suffix (alone or in auto): earlier answers of this pipeline it may draft from (LRU; 0 = off)"
     )
 
 

@@ -109,19 +109,21 @@ def test_first_two_tokens_follow_the_model(smol):
     assert_follows(joint, counts)
 
 
-def test_suffix_drafts_keep_the_distribution(smol):
+@pytest.mark.parametrize("method", ["suffix", "auto"])
+def test_suffix_drafts_keep_the_distribution(smol, method):
     """The suffix drafter's own scored tree (several continuations of a repeated spot) under sampling. The
     tree's logits come from one verifier forward; the acceptance then runs SAMPLES times on them (a second
     token the tree does not reach is drawn from the exact next-token distribution, as a plain step would)."""
     from ragspec.decoding.backends.accept import accept_sampled
     from ragspec.decoding.drafters.base import DraftState
+    from ragspec.decoding.drafters import make_drafter
     from ragspec.decoding.drafters.suffix import SuffixDrafter
 
     model, tok = smol
     prompt = chat(tok, "List colours.")
     prompt += tok("Colours: red, blue. red, green. red, pink. red,", add_special_tokens=False)["input_ids"]
     p1, joint = exact_joint(model, prompt)
-    drafter = SuffixDrafter()
+    drafter = SuffixDrafter() if method == "suffix" else make_drafter("auto")  # auto: suffix's and pld's trees
     state = DraftState(tokens=list(prompt), prompt_len=len(prompt))
     drafter.prepare(state)
     tree = drafter.propose(state, 12)

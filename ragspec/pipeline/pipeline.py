@@ -251,7 +251,7 @@ class Pipeline:
         sampling = SamplingSettings(temperature=g.temperature if temperature is None else temperature,
                                     top_k=g.top_k, top_p=g.top_p, seed=g.seed)
         params = dict(d.params)
-        if d.method == "suffix" and d.memory:
+        if d.method in ("suffix", "auto") and d.memory:
             if self._memory is None:
                 from ragspec.decoding.memory import AnswerMemory
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 
+from ragspec.decoding.drafters.auto import AutoDrafter
 from ragspec.decoding.drafters.base import DraftState, Drafter, NoDraft, Segment
 from ragspec.decoding.drafters.oracle import OracleDrafter
 from ragspec.decoding.drafters.pld import PromptLookupDrafter
@@ -11,11 +12,12 @@ from ragspec.decoding.drafters.pldplus import PLDPlusAttentionDrafter, PLDPlusHi
 from ragspec.decoding.drafters.suffix import SuffixDrafter
 from ragspec.decoding.drafters.trie import NgramTrieDrafter
 
-METHODS = ("none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a")
+METHODS = ("none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a", "auto")
+AUTO_PARTS = ("suffix", "pld")  # `auto`'s parts unless `parts` is given, best first
 
 
 CLASSES = {"pld": PromptLookupDrafter, "trie": NgramTrieDrafter, "suffix": SuffixDrafter,
-           "pldplus-h": PLDPlusHiddenDrafter, "pldplus-a": PLDPlusAttentionDrafter}
+           "pldplus-h": PLDPlusHiddenDrafter, "pldplus-a": PLDPlusAttentionDrafter, "auto": AutoDrafter}
 EXTRA_PARAMS = {"pldplus-a": ("top",)}  # settings that are not constructor arguments
 
 
@@ -38,6 +40,15 @@ def make_drafter(name: str, model=None, tokenizer=None, **params) -> Drafter:
         check_params(name, {k: v for k, v in params.items() if k != "memory"})
     if name == "none":
         return NoDraft()
+    if name == "auto":
+        names = params.pop("parts", AUTO_PARTS)
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        memory = params.pop("memory", None)
+        bad = [n for n in names if n not in METHODS or n in ("auto", "none", "pldplus-h", "pldplus-a")]
+        if bad or not names:
+            raise ValueError(f"auto drafting parts must be drafters that need no hidden states, not {bad or names}")
+        return AutoDrafter([make_drafter(n, model, tokenizer, **({"memory": memory} if n == "suffix" and memory
+                                                                  is not None else {})) for n in names])
     if name == "pld":
         return PromptLookupDrafter(**params)
     if name == "trie":
@@ -61,5 +72,5 @@ def make_drafter(name: str, model=None, tokenizer=None, **params) -> Drafter:
     raise ValueError(f"unknown drafting method '{name}' (one of {', '.join(METHODS)})")
 
 
-__all__ = ["DraftState", "Drafter", "METHODS", "NoDraft", "NgramTrieDrafter", "OracleDrafter", "PLDPlusAttentionDrafter",
+__all__ = ["AutoDrafter", "DraftState", "Drafter", "METHODS", "NoDraft", "NgramTrieDrafter", "OracleDrafter", "PLDPlusAttentionDrafter",
            "PLDPlusHiddenDrafter", "PromptLookupDrafter", "Segment", "SuffixDrafter", "check_params", "make_drafter"]
