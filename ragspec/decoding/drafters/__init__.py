@@ -5,17 +5,18 @@ from __future__ import annotations
 import inspect
 
 from ragspec.decoding.drafters.base import DraftState, Drafter, NoDraft, Segment
+from ragspec.decoding.drafters.lookahead import LookaheadDrafter
 from ragspec.decoding.drafters.oracle import OracleDrafter
 from ragspec.decoding.drafters.pld import PromptLookupDrafter
 from ragspec.decoding.drafters.pldplus import PLDPlusAttentionDrafter, PLDPlusHiddenDrafter, default_layer
 from ragspec.decoding.drafters.suffix import SuffixDrafter
 from ragspec.decoding.drafters.trie import NgramTrieDrafter
 
-METHODS = ("none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a")
+METHODS = ("none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a", "lookahead")
 
 
 CLASSES = {"pld": PromptLookupDrafter, "trie": NgramTrieDrafter, "suffix": SuffixDrafter,
-           "pldplus-h": PLDPlusHiddenDrafter, "pldplus-a": PLDPlusAttentionDrafter}
+           "pldplus-h": PLDPlusHiddenDrafter, "pldplus-a": PLDPlusAttentionDrafter, "lookahead": LookaheadDrafter}
 EXTRA_PARAMS = {"pldplus-a": ("top",)}  # settings that are not constructor arguments
 
 
@@ -44,6 +45,8 @@ def make_drafter(name: str, model=None, tokenizer=None, **params) -> Drafter:
         return NgramTrieDrafter(**params)
     if name == "suffix":
         return SuffixDrafter(**params)
+    if name == "lookahead":
+        return LookaheadDrafter(**params)
     if name == "oracle":  # benchmarks only: it needs the reference output (set `.reference` per prompt)
         return OracleDrafter(**params)
     if name == "pldplus-h":
@@ -61,5 +64,5 @@ def make_drafter(name: str, model=None, tokenizer=None, **params) -> Drafter:
     raise ValueError(f"unknown drafting method '{name}' (one of {', '.join(METHODS)})")
 
 
-__all__ = ["DraftState", "Drafter", "METHODS", "NoDraft", "NgramTrieDrafter", "OracleDrafter", "PLDPlusAttentionDrafter",
+__all__ = ["DraftState", "Drafter", "LookaheadDrafter", "METHODS", "NoDraft", "NgramTrieDrafter", "OracleDrafter", "PLDPlusAttentionDrafter",
            "PLDPlusHiddenDrafter", "PromptLookupDrafter", "Segment", "SuffixDrafter", "check_params", "make_drafter"]
