@@ -51,7 +51,7 @@ class LookaheadDrafter:
     hidden_layer = None
     wants_predictions = True  # the backend returns every row's argmax (StepResult.predictions)
 
-    def __init__(self, W: int = 4, N: int = 3, G: int = 2, pool_size: int = 8, prompt_pool: bool = True,
+    def __init__(self, W: int = 2, N: int = 3, G: int = 1, pool_size: int = 8, prompt_pool: bool = True,
                  seed: int = 0):
         if W < 1 or N < 2 or G < 0 or pool_size < 1:
             raise ValueError("lookahead needs W >= 1, N >= 2, G >= 0, pool_size >= 1")
