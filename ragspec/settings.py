@@ -101,7 +101,7 @@ class GeneratorSettings(Strict):
 
 
 class DraftingSettings(Strict):
-    method: Literal["none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a", "auto"] = Field(
+    method: Literal["none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a", "lookahead", "auto"] = Field(
         "suffix", description="where drafts come from (none = plain decoding through the same verifier)"
     )
     budget: int | Literal["auto"] = Field(

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from ragspec.decoding.drafters.lookahead import LookaheadDrafter
 from ragspec.decoding.drafters.oracle import OracleDrafter
 from ragspec.decoding.drafters.suffix import SuffixDrafter
 from ragspec.decoding.drafters.trie import NgramTrieDrafter
@@ -80,7 +81,8 @@ def test_tree_decoding_matches_generate(family, device, tokenizer):
         out = model.generate(ids, do_sample=False, max_new_tokens=40, eos_token_id=eos, pad_token_id=eos[0],
                              attention_mask=torch.ones_like(ids))
     ref = out[0, len(prompt):].tolist()
-    for drafter in (NgramTrieDrafter(), SuffixDrafter(), OracleDrafter(ref), Oracle(ref)):
+    for drafter in (NgramTrieDrafter(), SuffixDrafter(), LookaheadDrafter(), LookaheadDrafter(W=6, N=4, G=3),
+                    OracleDrafter(ref), Oracle(ref)):
         gen = SpeculativeGenerator(model, tokenizer, drafter=drafter, max_new_tokens=40, eos_token_ids=eos)
         gen.generate(prompt)
         assert gen.tokens == ref, drafter.name

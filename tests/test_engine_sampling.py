@@ -144,3 +144,47 @@ def test_suffix_drafts_keep_the_distribution(smol, method):
         key = (toks[0], toks[1])
         counts[key] = counts.get(key, 0) + 1
     assert_follows(joint, counts)
+
+
+def test_lookahead_drafts_keep_the_distribution(smol):
+    """The lookahead drafter's whole tree under sampling: G guesses from the prompt's pool and the Jacobi window
+    (level 0's first token and column 0 both under the root, set to the likeliest and second-likeliest tokens so
+    the window's branches are exercised too). One verifier forward; the acceptance runs SAMPLES times on it."""
+    from ragspec.decoding.backends.accept import accept_sampled
+    from ragspec.decoding.drafters.base import DraftState
+    from ragspec.decoding.drafters.lookahead import LookaheadDrafter
+
+    model, tok = smol
+    prompt = chat(tok, "List colours.")
+    prompt += tok("Colours: red, blue. red, green. red, pink. red,", add_special_tokens=False)["input_ids"]
+    p1, joint = exact_joint(model, prompt)
+    order = torch.argsort(p1, descending=True).tolist()
+    drafter = LookaheadDrafter(W=4, N=3, G=3)
+    state = DraftState(tokens=list(prompt), prompt_len=len(prompt))
+    drafter.prepare(state)
+    drafter.levels[0][0] = order[1]  # orange 1
+    drafter.levels[1][0] = order[0]  # column 0's level 1
+    tree = drafter.propose(state, 64)
+    assert tree.fixed and len(tree.children(-1)) >= 4 and tree.max_depth() >= 3
+    v = Verifier(model, SETTINGS)
+    v.prefill(prompt)
+    if hasattr(v, "score"):  # a backend whose prefill caches the root scores [root + tree] itself
+        logits = v.score(tree)
+    else:
+        with torch.inference_mode():
+            ids = torch.tensor([[v.root] + tree.tokens])
+            pos = torch.tensor([tree.position_ids(v.cached)])
+            logits = v._forward(ids, pos, tree.attention_mask(v.cached, v.dtype)).logits[0]
+    gen = torch.Generator().manual_seed(11)
+    counts: dict[tuple[int, int], int] = {}
+    for _ in range(SAMPLES):
+        path, bonus = accept_sampled(tree, logits, SETTINGS, gen)
+        toks = [tree.tokens[i] for i in path] + [bonus]
+        if len(toks) < 2:
+            t1 = toks[0]
+            nxt = sorted(k[1] for k in joint if k[0] == t1)
+            w = torch.tensor([joint[(t1, b)] for b in nxt])
+            toks.append(nxt[int(torch.multinomial(w / w.sum(), 1, generator=gen))])
+        key = (toks[0], toks[1])
+        counts[key] = counts.get(key, 0) + 1
+    assert_follows(joint, counts)

@@ -48,6 +48,7 @@ def test_choose_takes_the_fastest_for_the_shape():
 def test_pldplus_and_set_values_leave_candidates_out():
     assert choose(TABLE, 1100, 256, "pldplus-h").backend == "transformers"
     assert choose(TABLE, 1100, 256, "pldplus-a").backend == "transformers"
+    assert choose(TABLE, 1100, 256, "lookahead").backend == "transformers"  # its window needs every row's argmax
     assert choose(TABLE, 1100, 256, "suffix", backend="transformers").dtype == "float32"
     none = choose({"sizes": [1], "candidates": [TABLE["candidates"][1]]}, 1100, 256)
     assert (none.backend, none.dtype) == ("transformers", "float32") and "no candidate" in none.reason

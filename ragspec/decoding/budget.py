@@ -149,7 +149,9 @@ class AdaptiveBudget:
         self._t = [self.cost.time(n) for n in range(self.max_nodes + 2)]  # t(n) once, not per step
 
     def select(self, tree):
-        """The part of a proposal to verify now."""
+        """The part of a proposal to verify now (a `fixed` tree, sized by its drafter, whole)."""
+        if tree.fixed:
+            return tree
         if not tree.scored:
             return tree.truncated(self.budget())
         probs = self.path_probabilities(tree)
@@ -172,7 +174,10 @@ class AdaptiveBudget:
         return out
 
     def observe_proposal(self, tree, path: list[int]) -> None:
-        """Learn from a whole proposal once the output has passed it; `path`: the nodes the output followed."""
+        """Learn from a whole proposal once the output has passed it; `path`: the nodes the output followed.
+        A `fixed` tree teaches nothing: its nodes are not ranked by how likely they are."""
+        if tree.fixed:
+            return
         if not tree.scored:
             self.observe(self.max_nodes, path)
             return

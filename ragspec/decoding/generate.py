@@ -86,7 +86,8 @@ class SpeculativeGenerator:
         self.tokens = []
         heads = tuple(getattr(self.drafter, "attention_heads", ()) or ())
         verifier = make_backend(self.model, self.sampling, hidden_layer=self.drafter.hidden_layer,
-                                attention_heads=heads)
+                                attention_heads=heads,
+                                predictions=bool(getattr(self.drafter, "wants_predictions", False)))
         if not getattr(verifier, "supports_prefix", True):
             prefix = None  # a prefix store holds transformers caches
         try:
@@ -148,6 +149,7 @@ class SpeculativeGenerator:
             state.tokens.extend(toks)
             if adaptive:
                 pending = self._settle(pending, final=False)
+            state.tree, state.predictions = tree, res.predictions
             t = time.perf_counter()
             self.drafter.update(state, toks)
             stats.draft_ms += (time.perf_counter() - t) * 1000

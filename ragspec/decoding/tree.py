@@ -20,6 +20,8 @@ class DraftTree:
     # small group id (what the confidence was read from); the budget calibrates acceptance per (group, conf)
     confs: list[float] = field(default_factory=list)
     groups: list[int] = field(default_factory=list)
+    # a tree its drafter sized itself (lookahead's window): the adaptive budget verifies it whole or not at all
+    fixed: bool = False
     _children: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def __len__(self) -> int:

@@ -23,8 +23,11 @@ def backend_class(model):
     return TransformersBackend
 
 
-def make_backend(model, sampling, hidden_layer=None, attention_heads=()) -> Backend:
-    """A fresh verifier for one generation on `model`."""
+def make_backend(model, sampling, hidden_layer=None, attention_heads=(), predictions=False) -> Backend:
+    """A fresh verifier for one generation on `model`. `predictions`: return every row's argmax per step."""
+    if predictions:
+        return backend_class(model)(model, sampling, hidden_layer=hidden_layer, attention_heads=attention_heads,
+                                    predictions=True)
     return backend_class(model)(model, sampling, hidden_layer=hidden_layer, attention_heads=attention_heads)
 
 

@@ -49,6 +49,7 @@ class StepResult:
     path: list[int] = field(default_factory=list)  # accepted node indices (= their ranks in the tree)
     hidden: Any = None  # [1 + accepted, d] hidden states of the kept rows, if asked for (transformers only)
     timings: dict = field(default_factory=dict)  # ms by part: inputs, forward, accept, trim
+    predictions: list[int] | None = None  # argmax of every row (0: root, i + 1: node i), if asked for (lookahead)
 
     @property
     def verify_ms(self) -> float:

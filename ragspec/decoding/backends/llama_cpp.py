@@ -213,6 +213,7 @@ class LlamaCppBackend:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     hidden_layer: int | None = None
     attention_heads: tuple = ()
+    predictions: bool = False  # every row's argmax (lookahead's window): not offered here, see __post_init__
 
     name = "llama.cpp"
     supports_prefix = False
@@ -222,6 +223,11 @@ class LlamaCppBackend:
             raise RagspecError(
                 "PLD+ drafters read an inner layer's hidden states (pldplus-h) or attention rows (pldplus-a), which "
                 "llama.cpp does not expose: use drafting pld, trie, suffix or none with generator.backend llama.cpp, "
+                "or generator.backend transformers")
+        if self.predictions:
+            raise RagspecError(
+                "lookahead decoding is not supported on llama.cpp (its Jacobi window needs every tree row's "
+                "prediction): use drafting pld, trie, suffix or none with generator.backend llama.cpp, "
                 "or generator.backend transformers")
         self._gen = new_generator(self.sampling)
         self.cached = 0

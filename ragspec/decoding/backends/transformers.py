@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragspec.decoding.backends.accept import accept_greedy, accept_sampled, new_generator
+from ragspec.decoding.backends.accept import accept_greedy, accept_sampled, new_generator, walk_greedy
 from ragspec.decoding.backends.base import StepResult, check_cancel, chunks
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.tree import DraftTree
@@ -35,6 +35,7 @@ class TransformersBackend:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     hidden_layer: int | None = None  # keep this layer's hidden states of accepted positions (PLD+ h)
     attention_heads: tuple = ()  # (layer, head) pairs whose attention row of the last accepted token PLD+ (a) reads
+    predictions: bool = False  # return every row's argmax (StepResult.predictions): lookahead's Jacobi window
 
     def __post_init__(self):
         self.device = next(self.model.parameters()).device
@@ -120,8 +121,9 @@ class TransformersBackend:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
+        preds = logits.argmax(dim=-1).tolist() if self.predictions else None
         if self.sampling.greedy:
-            path, bonus = accept_greedy(tree, logits)
+            path, bonus = walk_greedy(tree, preds.__getitem__) if preds is not None else accept_greedy(tree, logits)
         else:
             path, bonus = accept_sampled(tree, logits, self.sampling, self._gen)
         t3 = time.perf_counter()
@@ -147,6 +149,7 @@ class TransformersBackend:
             forward_ms=forward_ms,
             path=path,
             hidden=hidden,
+            predictions=preds,
             timings={"inputs": (t1 - t0) * 1000, "forward": (t2 - t1) * 1000, "accept": (t3 - t2) * 1000,
                      "trim": (t4 - t3) * 1000},
         )

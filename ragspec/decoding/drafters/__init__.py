@@ -6,18 +6,20 @@ import inspect
 
 from ragspec.decoding.drafters.auto import AutoDrafter
 from ragspec.decoding.drafters.base import DraftState, Drafter, NoDraft, Segment
+from ragspec.decoding.drafters.lookahead import LookaheadDrafter
 from ragspec.decoding.drafters.oracle import OracleDrafter
 from ragspec.decoding.drafters.pld import PromptLookupDrafter
 from ragspec.decoding.drafters.pldplus import PLDPlusAttentionDrafter, PLDPlusHiddenDrafter, default_layer
 from ragspec.decoding.drafters.suffix import SuffixDrafter
 from ragspec.decoding.drafters.trie import NgramTrieDrafter
 
-METHODS = ("none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a", "auto")
+METHODS = ("none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a", "lookahead", "auto")
 AUTO_PARTS = ("suffix", "pld")  # `auto`'s parts unless `parts` is given, best first
 
 
 CLASSES = {"pld": PromptLookupDrafter, "trie": NgramTrieDrafter, "suffix": SuffixDrafter,
-           "pldplus-h": PLDPlusHiddenDrafter, "pldplus-a": PLDPlusAttentionDrafter, "auto": AutoDrafter}
+           "pldplus-h": PLDPlusHiddenDrafter, "pldplus-a": PLDPlusAttentionDrafter, "lookahead": LookaheadDrafter,
+           "auto": AutoDrafter}
 EXTRA_PARAMS = {"pldplus-a": ("top",)}  # settings that are not constructor arguments
 
 
@@ -44,9 +46,11 @@ def make_drafter(name: str, model=None, tokenizer=None, **params) -> Drafter:
         names = params.pop("parts", AUTO_PARTS)
         names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
         memory = params.pop("memory", None)
-        bad = [n for n in names if n not in METHODS or n in ("auto", "none", "pldplus-h", "pldplus-a")]
+        # not lookahead: its window advances only when its own tree is verified whole
+        bad = [n for n in names if n not in METHODS or n in ("auto", "none", "pldplus-h", "pldplus-a", "lookahead")]
         if bad or not names:
-            raise ValueError(f"auto drafting parts must be drafters that need no hidden states, not {bad or names}")
+            raise ValueError("auto drafting parts must be drafters that need no hidden states, attention rows or "
+                             f"whole-tree verification, not {bad or names}")
         return AutoDrafter([make_drafter(n, model, tokenizer, **({"memory": memory} if n == "suffix" and memory
                                                                   is not None else {})) for n in names])
     if name == "pld":
@@ -55,6 +59,8 @@ def make_drafter(name: str, model=None, tokenizer=None, **params) -> Drafter:
         return NgramTrieDrafter(**params)
     if name == "suffix":
         return SuffixDrafter(**params)
+    if name == "lookahead":
+        return LookaheadDrafter(**params)
     if name == "oracle":  # benchmarks only: it needs the reference output (set `.reference` per prompt)
         return OracleDrafter(**params)
     if name == "pldplus-h":
@@ -72,5 +78,5 @@ def make_drafter(name: str, model=None, tokenizer=None, **params) -> Drafter:
     raise ValueError(f"unknown drafting method '{name}' (one of {', '.join(METHODS)})")
 
 
-__all__ = ["AutoDrafter", "DraftState", "Drafter", "METHODS", "NoDraft", "NgramTrieDrafter", "OracleDrafter", "PLDPlusAttentionDrafter",
+__all__ = ["AutoDrafter", "DraftState", "Drafter", "LookaheadDrafter", "METHODS", "NoDraft", "NgramTrieDrafter", "OracleDrafter", "PLDPlusAttentionDrafter",
            "PLDPlusHiddenDrafter", "PromptLookupDrafter", "Segment", "SuffixDrafter", "check_params", "make_drafter"]

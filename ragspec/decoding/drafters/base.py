@@ -33,6 +33,10 @@ class DraftState:
     segments: list[Segment] = field(default_factory=list)
     hidden: object = None  # torch tensor [cached positions, d] when the drafter asked for a layer
     attention: object = None  # torch tensor [cached positions]: chosen heads' attention of the last cached one
+    # after a step, for drafters with `wants_predictions` (lookahead): the tree just verified and the target's
+    # argmax at each of its rows (row 0 = the root, row i + 1 = node i); set before `update`
+    tree: DraftTree | None = None
+    predictions: list[int] | None = None
 
     @property
     def generated(self) -> list[int]:
