@@ -301,13 +301,15 @@ def eval_attribution(
     min_words: int = typer.Option(3, "--min-words"),
     min_chars: int = typer.Option(10, "--min-chars"),
     chars_one_word: bool = typer.Option(False, "--chars-one-word", help="only one-word spans qualify by --min-chars"),
-    disambiguation: str = typer.Option("neighbours", "--disambiguation", help="words found in several sources: "
+    disambiguation: str = typer.Option("context", "--disambiguation", help="words found in several sources: "
                                        "neighbours | context | neighbours-context"),
     skip_question: bool = typer.Option(False, "--skip-question", help="no citation for a span the question holds"),
     folds: Optional[int] = typer.Option(None, "--folds", help="K-fold: choose the settings on K-1 folds "
                                         "(record i is in fold i % K), score the held-out fold"),
     min_precision: float = typer.Option(0.98, "--min-precision", help="with --folds: the attribution precision "
                                         "a setting needs on the training folds to be chosen (if any reaches it)"),
+    criterion: str = typer.Option("pooled", "--criterion", help="with --folds: pooled (F1 over the training folds "
+                                  "together) | worst-fold (the lowest F1 of the training folds)"),
     limit: Optional[int] = typer.Option(None, "--limit"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ):
@@ -343,7 +345,8 @@ def eval_attribution(
                 bar.advance(task)
             if folds:
                 task = bar.add_task(f"{len(grid)} settings", total=len(grid))
-                cv = cross_validate(prepared, folds, grid, min_precision, progress=lambda: bar.advance(task))
+                cv = cross_validate(prepared, folds, grid, min_precision, progress=lambda: bar.advance(task),
+                                    criterion=criterion)
         setting = {"min_words": min_words, "min_chars": min_chars, "chars_one_word": chars_one_word,
                    "disambiguation": disambiguation, "skip_question": skip_question}
         r = {"records": len(rows), "method": method, **setting, **score_all(prepared, setting)}
@@ -357,7 +360,7 @@ def eval_attribution(
             from rich.table import Table
 
             t = Table(title=f"QuoteSum {folds}-fold ({len(rows)} records, {method}; record i held out in fold "
-                            f"i % {folds}; settings: best training F1 with precision >= {min_precision})")
+                            f"i % {folds}; settings: best {criterion} training F1 with precision >= {min_precision})")
             for col in ("held out", "records", "min words", "min chars", "1 word", "disambiguation", "skip q.",
                         "copied P", "copied R", "copied F1", "attr. P", "attr. R", "attr. F1"):
                 t.add_column(col, justify="left" if col in ("held out", "disambiguation") else "right")

@@ -121,7 +121,7 @@ class AttributionSettings(Strict):
     min_chars: int = Field(10, ge=1, description="… or this many characters (one rare long word)")
     chars_one_word: bool = Field(False, description="only a one-word span qualifies by min_chars")
     disambiguation: Literal["neighbours", "context", "neighbours-context"] = Field(
-        "neighbours", description="words found in several sources: which source (see pipeline/attribution.py)")
+        "context", description="words found in several sources: which source (see pipeline/attribution.py)")
     skip_question: bool = Field(False, description="a span the question holds word for word is no citation")
 
 
