@@ -180,3 +180,32 @@ def test_a_folds_setting_is_chosen_without_its_held_out_records():
     assert cross_validate([MARKED] * 6, 3, grid)["folds"][0]["setting"] == grid[0]
     assert cross_validate([LONG, UNMARKED] * 3, 3, grid)["folds"][0]["setting"] == grid[1]
     assert set(cv["mean"]) == {"copied", "attribution"} and set(cv["spread"]["attribution"]["f1"]) == {"min", "max", "std"}
+
+
+def test_chars_one_word_and_skip_question():
+    srcs = [SourceText(1, "According to the report, Denitrification releases nitrogen gas.", path="1")]
+    m = CopyMatcher(srcs, min_words=3, min_chars=10)
+    m.feed("According to me, Denitrification happens.")
+    m.finish()
+    assert [c.quote for c in m.citations] == ["According to", "Denitrification"]
+    m = CopyMatcher(srcs, min_words=3, min_chars=10, chars_one_word=True)  # two short words: no citation
+    m.feed("According to me, Denitrification happens.")
+    m.finish()
+    assert [c.quote for c in m.citations] == ["Denitrification"]
+    m = CopyMatcher(srcs, min_words=3, min_chars=10, question="What does denitrification release?")
+    m.feed("According to me, Denitrification happens. It releases nitrogen gas.")
+    m.finish()
+    assert [c.quote for c in m.citations] == ["According to", "releases nitrogen gas."]
+
+
+def test_worst_fold_criterion_counts_the_weakest_training_fold():
+    from ragspec.eval.attribution import PRF, select
+
+    # setting 0: perfect on group A, poor on group B; setting 1: good on both
+    a, b = [0], [1]
+    counts = [[(PRF(), PRF(10, 10, 10)), (PRF(), PRF(2, 10, 10))],
+              [(PRF(), PRF(8, 8, 10)), (PRF(), PRF(8, 8, 10))]]
+    assert select(counts, [a, b], 0.0, "pooled") == 1  # pooled F1: 0.60 vs 0.89
+    counts[0][1] = (PRF(), PRF(7, 7, 10))
+    assert select(counts, [a, b], 0.0, "pooled") == 0  # pooled F1: 0.92 vs 0.89
+    assert select(counts, [a, b], 0.0, "worst-fold") == 1  # the weaker group's F1: 0.82 vs 0.89
