@@ -300,6 +300,16 @@ def eval_attribution(
     method: str = typer.Option("trie", "--drafting", help="drafter whose provenance breaks ties"),
     min_words: int = typer.Option(3, "--min-words"),
     min_chars: int = typer.Option(10, "--min-chars"),
+    chars_one_word: bool = typer.Option(False, "--chars-one-word", help="only one-word spans qualify by --min-chars"),
+    disambiguation: str = typer.Option("context", "--disambiguation", help="words found in several sources: "
+                                       "neighbours | context | neighbours-context"),
+    skip_question: bool = typer.Option(False, "--skip-question", help="no citation for a span the question holds"),
+    folds: Optional[int] = typer.Option(None, "--folds", help="K-fold: choose the settings on K-1 folds "
+                                        "(record i is in fold i % K), score the held-out fold"),
+    min_precision: float = typer.Option(0.98, "--min-precision", help="with --folds: the attribution precision "
+                                        "a setting needs on the training folds to be chosen (if any reaches it)"),
+    criterion: str = typer.Option("pooled", "--criterion", help="with --folds: pooled (F1 over the training folds "
+                                  "together) | worst-fold (the lowest F1 of the training folds)"),
     limit: Optional[int] = typer.Option(None, "--limit"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ):
@@ -308,19 +318,70 @@ def eval_attribution(
     def body():
         _quiet_libraries()
         from ragspec.console import progress
-        from ragspec.eval.attribution import evaluate
-        from ragspec.models.generator import load_generator
+        from ragspec.eval.attribution import cross_validate, default_grid, load_records, prepare, score_all
+        from ragspec.pipeline.prompt import PromptBuilder
 
         if not data.exists():
             raise RagspecError(f"{data} does not exist")
-        lm, tok = load_generator(model)
-        total = limit or sum(1 for line in data.open(encoding="utf-8") if line.strip())
+        if method.startswith("pldplus"):  # hidden states: the model itself
+            from ragspec.models.generator import load_generator
+
+            lm, tok = load_generator(model)
+        else:  # the drafter needs the tokenizer only
+            from transformers import AutoTokenizer
+
+            from ragspec.models.generator import generator_source
+
+            lm, tok = None, AutoTokenizer.from_pretrained(generator_source(model))
+        rows = load_records(data, limit)
+        builder = PromptBuilder(tok, "quote")
+        grid = default_grid() if folds else []
         with progress() as bar:
-            task = bar.add_task("QuoteSum", total=total)
-            r = evaluate(data, tok, lm, method, min_words, min_chars, limit, progress=lambda: bar.advance(task))
+            # the teacher-forced drafting is done once per record; each setting only re-runs the matcher
+            task = bar.add_task("QuoteSum drafting", total=len(rows))
+            prepared = []
+            for rec in rows:
+                prepared.append(prepare(rec, builder, tok, lm, method))
+                bar.advance(task)
+            if folds:
+                task = bar.add_task(f"{len(grid)} settings", total=len(grid))
+                cv = cross_validate(prepared, folds, grid, min_precision, progress=lambda: bar.advance(task),
+                                    criterion=criterion)
+        setting = {"min_words": min_words, "min_chars": min_chars, "chars_one_word": chars_one_word,
+                   "disambiguation": disambiguation, "skip_question": skip_question}
+        r = {"records": len(rows), "method": method, **setting, **score_all(prepared, setting)}
+        if folds:
+            r["cross_validation"] = cv
+            r.update({k: cv[k] for k in ("folds", "mean", "spread")})
         if as_json:
             sys.stdout.write(json.dumps(r, indent=2) + "\n")
             return
+        if folds:
+            from rich.table import Table
+
+            t = Table(title=f"QuoteSum {folds}-fold ({len(rows)} records, {method}; record i held out in fold "
+                            f"i % {folds}; settings: best {criterion} training F1 with precision >= {min_precision})")
+            for col in ("held out", "records", "min words", "min chars", "1 word", "disambiguation", "skip q.",
+                        "copied P", "copied R", "copied F1", "attr. P", "attr. R", "attr. F1"):
+                t.add_column(col, justify="left" if col in ("held out", "disambiguation") else "right")
+
+            def row(name, n, s, c, a):
+                return [name, n, *s, *(f"{c[m]:.4f}" for m in ("precision", "recall", "f1")),
+                        *(f"{a[m]:.4f}" for m in ("precision", "recall", "f1"))]
+
+            for f in cv["folds"]:
+                s = f["setting"]
+                t.add_row(*row(f"fold {f['fold']}", str(f["records"]),
+                               (str(s["min_words"]), str(s["min_chars"]), "yes" if s["chars_one_word"] else "no",
+                                s["disambiguation"], "yes" if s["skip_question"] else "no"), f["copied"],
+                               f["attribution"]))
+            t.add_row(*row("mean", "", ("",) * 5, cv["mean"]["copied"], cv["mean"]["attribution"]))
+            for stat in ("min", "max", "std"):
+                t.add_row(*row(stat, "", ("",) * 5,
+                               {m: v[stat] for m, v in cv["spread"]["copied"].items()},
+                               {m: v[stat] for m, v in cv["spread"]["attribution"].items()}))
+            console.print(t)
+            console.print(f"all records, the given settings ({setting}):")
         for part in ("copied", "attribution"):
             m = r[part]
             console.print(f"{part:12} P {m['precision']:.4f}  R {m['recall']:.4f}  F1 {m['f1']:.4f}  "

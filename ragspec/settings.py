@@ -120,6 +120,10 @@ class AttributionSettings(Strict):
     enabled: bool = Field(True, description="cite the answer's spans copied from the sources")
     min_words: int = Field(3, ge=1, description="a copied span needs this many words …")
     min_chars: int = Field(10, ge=1, description="… or this many characters (one rare long word)")
+    chars_one_word: bool = Field(False, description="only a one-word span qualifies by min_chars")
+    disambiguation: Literal["neighbours", "context", "neighbours-context"] = Field(
+        "context", description="words found in several sources: which source (see pipeline/attribution.py)")
+    skip_question: bool = Field(False, description="a span the question holds word for word is no citation")
 
 
 class ServeSettings(Strict):

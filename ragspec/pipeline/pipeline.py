@@ -272,7 +272,8 @@ class Pipeline:
             budget = 64 if d.budget == "auto" else int(d.budget)
         stops = tuple(g.stop) + tuple(stop or ())
         gen = SpeculativeGenerator(model, tok, drafter, sampling, max_new, stops, budget=budget)
-        matcher = CopyMatcher(built.sources, a.min_words, a.min_chars) if a.enabled else None
+        matcher = CopyMatcher(built.sources, a.min_words, a.min_chars, a.disambiguation, a.chars_one_word,
+                              question if a.skip_question else None) if a.enabled else None
         parts: list[str] = []
         t_start = time.perf_counter() if t_start is None else t_start
         ttft_ms, reused = 0.0, 0
