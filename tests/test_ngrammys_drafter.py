@@ -66,7 +66,7 @@ def run(smol, d, prompt, max_new=48, budget=64):
 def test_ngrammys_matches_generate(smol, cases, rows_fn, tmp_path, extend, budget):
     model, tok = smol
     drafted = bigram = 0
-    for prompt, ref in cases:
+    for prompt, ref in cases if extend == "chain" else cases[:2]:  # greedy rows cost more to compute
         d = drafter(rows_fn, tmp_path / f"{extend}.sqlite", extend=extend)
         gen, text = run(smol, d, prompt, budget=64 if budget == "fixed" else AdaptiveBudget(FLAT))
         assert gen.tokens == ref
