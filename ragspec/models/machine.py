@@ -331,6 +331,11 @@ class Choice(NamedTuple):
     predicted_s: float | None = None
 
 
+def needs_transformers(drafting_method: str) -> bool:
+    """Drafters llama.cpp cannot serve: PLD+ (hidden states / attention rows), ngrammys (the model bigram)."""
+    return drafting_method.startswith("pldplus") or drafting_method == "ngrammys"
+
+
 def decode_ms_per_token(row: dict, drafting_method: str = "suffix", sizes=SIZES) -> float:
     """ms per answer token: t(1) with drafting 'none'; else the best step size over the measured ones,
     min over n of t(n) / E(n - 1), E(k) = (1 - ACCEPT^(k+1)) / (1 - ACCEPT) tokens for k drafts. Where t(n)
@@ -355,7 +360,7 @@ def choose(table: dict, prompt_tokens: int, answer_tokens: int, drafting_method:
     give); `backend` / `dtype` other than 'auto' keep only the candidates that match."""
     rows = [r for r in table["candidates"] if "prefill_tps" in r
             and backend in ("auto", r["backend"]) and dtype in ("auto", r["dtype"])
-            and not (r["backend"] == "llama.cpp" and drafting_method.startswith("pldplus"))]
+            and not (r["backend"] == "llama.cpp" and needs_transformers(drafting_method))]
     if not rows:
         return Choice("transformers", "float32", "no candidate was measured here: transformers/float32 as before")
     sizes = table.get("sizes", SIZES)
@@ -386,8 +391,8 @@ def resolve(generator, device: str, prompt_tokens: int, answer_tokens: int, draf
     for c in CANDIDATES:
         if backend not in ("auto", c.backend):
             continue
-        why = ("PLD+ drafting needs hidden states / attention rows" if c.backend == "llama.cpp"
-               and drafting_method.startswith("pldplus") else c.needs(cpu, generator.model))
+        why = (f"{drafting_method} drafting needs the transformers backend" if c.backend == "llama.cpp"
+               and needs_transformers(drafting_method) else c.needs(cpu, generator.model))
         if why:
             left_out.append(f"{c.name}: {why}")
         else:

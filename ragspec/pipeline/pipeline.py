@@ -90,9 +90,9 @@ class Pipeline:
                 g, method = self.spec.generator, self.spec.drafting.method
                 self.choice = resolve(g, self.device, self.expected_prompt_tokens(), self.expected_answer_tokens(),
                                       method, progress=progress)
-                if self.choice.backend == "llama.cpp" and method.startswith("pldplus"):
-                    raise RagspecError(f"drafting {method} needs hidden states or attention rows, "
-                                       "which the llama.cpp backend does not give: use pld, trie, suffix or none")
+                if self.choice.backend == "llama.cpp" and (method.startswith("pldplus") or method == "ngrammys"):
+                    raise RagspecError(f"drafting {method} needs hidden states, attention rows or the model's "
+                                       "bigram, which the llama.cpp backend does not give: use pld, trie, suffix or none")
                 self._model, self._tokenizer = shared_generator(g.model, self.device, self.choice.dtype,
                                                                 self.choice.backend)
             elif self.choice is None:
