@@ -391,8 +391,9 @@ def resolve(generator, device: str, prompt_tokens: int, answer_tokens: int, draf
     for c in CANDIDATES:
         if backend not in ("auto", c.backend):
             continue
-        why = (f"{drafting_method} drafting needs the transformers backend" if c.backend == "llama.cpp"
-               and needs_transformers(drafting_method) else c.needs(cpu, generator.model))
+        why = (("PLD+ drafting needs hidden states / attention rows" if drafting_method.startswith("pldplus")
+                else "ngrammys drafting needs the model's bigram (transformers)")
+               if c.backend == "llama.cpp" and needs_transformers(drafting_method) else c.needs(cpu, generator.model))
         if why:
             left_out.append(f"{c.name}: {why}")
         else:
