@@ -510,7 +510,7 @@ def bench(
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", "--model"),
     methods: Optional[str] = typer.Option(None, "--methods",
                                           help="vanilla, hf-pld (llama-pld with --backend llama.cpp), none, pld, trie, "
-                                               "suffix, pldplus-h, pldplus-a, lookahead, auto, oracle (the ceiling); default: "
+                                               "suffix, pldplus-h, pldplus-a, lookahead, ngrammys, auto, oracle (the ceiling); default: "
                                                "vanilla,<peer>,pld,trie,suffix,oracle"),
     backend: str = typer.Option("transformers", "--backend", help="transformers or llama.cpp (the GGUF as shipped)"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
@@ -626,7 +626,7 @@ def ask(
     as_json: bool = typer.Option(False, "--json", help="print the Answer as one JSON document (schema in README)"),
     no_stream: bool = typer.Option(False, "--no-stream", help="print the answer when it is complete"),
     model: Optional[str] = typer.Option(None, "--model", help="override generator.model"),
-    method: Optional[str] = typer.Option(None, "--drafting", help="override drafting.method (none|pld|trie|suffix|pldplus-h|pldplus-a|lookahead|auto)"),
+    method: Optional[str] = typer.Option(None, "--drafting", help="override drafting.method (none|pld|trie|suffix|pldplus-h|pldplus-a|lookahead|ngrammys|auto)"),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="override generator.max_new_tokens"),
     where: Optional[list[str]] = typer.Option(None, "--where", help="metadata filter, repeatable (see `search`)"),
 ):

@@ -101,13 +101,13 @@ class GeneratorSettings(Strict):
 
 
 class DraftingSettings(Strict):
-    method: Literal["none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a", "lookahead", "auto"] = Field(
+    method: Literal["none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a", "lookahead", "ngrammys", "auto"] = Field(
         "suffix", description="where drafts come from (none = plain decoding through the same verifier)"
     )
     budget: int | Literal["auto"] = Field(
         "auto", description="draft tree size: auto = cost-aware (measured forward cost), or a fixed node count"
     )
-    params: dict[str, int | float | str | list[str]] = Field(
+    params: dict[str, bool | int | float | str | list[str]] = Field(
         default_factory=dict, description="the method's own parameters, e.g. {n: 13, lp: 3, num_draft: 64} for trie, "
                                           "{parts: [suffix, pld]} for auto"
     )

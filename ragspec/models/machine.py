@@ -332,9 +332,9 @@ class Choice(NamedTuple):
 
 
 def needs_transformers(drafting_method: str) -> bool:
-    """Drafting that reads what only the transformers backend gives: PLD+ (hidden states, attention rows) and
-    lookahead (every tree row's argmax, for its Jacobi window)."""
-    return drafting_method.startswith("pldplus") or drafting_method == "lookahead"
+    """Drafting that reads what only the transformers backend gives: PLD+ (hidden states, attention rows),
+    lookahead (every tree row's argmax, for its Jacobi window) and ngrammys (the model's bigram)."""
+    return drafting_method.startswith("pldplus") or drafting_method in ("lookahead", "ngrammys")
 
 
 def decode_ms_per_token(row: dict, drafting_method: str = "suffix", sizes=SIZES) -> float:
@@ -392,7 +392,8 @@ def resolve(generator, device: str, prompt_tokens: int, answer_tokens: int, draf
     for c in CANDIDATES:
         if backend not in ("auto", c.backend):
             continue
-        why = ("PLD+ / lookahead drafting needs hidden states / attention rows / every row's prediction"
+        why = ("PLD+ / lookahead / ngrammys drafting needs hidden states / attention rows / every row's prediction "
+               "/ the model's bigram"
                if c.backend == "llama.cpp" and needs_transformers(drafting_method) else c.needs(cpu, generator.model))
         if why:
             left_out.append(f"{c.name}: {why}")

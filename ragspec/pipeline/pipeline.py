@@ -93,9 +93,9 @@ class Pipeline:
                 from ragspec.models.machine import needs_transformers
 
                 if self.choice.backend == "llama.cpp" and needs_transformers(method):
-                    raise RagspecError(f"drafting {method} needs hidden states, attention rows or every tree row's "
-                                       "prediction, which the llama.cpp backend does not give: use pld, trie, "
-                                       "suffix or none")
+                    raise RagspecError(f"drafting {method} needs hidden states, attention rows, every tree row's "
+                                       "prediction or the model's bigram, which the llama.cpp backend does not "
+                                       "give: use pld, trie, suffix or none")
                 self._model, self._tokenizer = shared_generator(g.model, self.device, self.choice.dtype,
                                                                 self.choice.backend)
             elif self.choice is None:

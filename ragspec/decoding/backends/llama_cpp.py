@@ -329,6 +329,11 @@ class LlamaCppBackend:
     def close(self) -> None:
         pass
 
+    @staticmethod
+    def bigram_rows(model, tokens, k: int, w: int, max_batch: int = 256):
+        raise ValueError("ngrammys needs the model's own bigram table, which only the transformers backend "
+                         "computes; use generator.backend transformers (or another drafting method)")
+
     # -- t(n) calibration ----------------------------------------------------------------------------------
     @staticmethod
     def cost_key(model: LlamaCppModel) -> str:

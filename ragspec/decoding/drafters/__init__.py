@@ -7,26 +7,28 @@ import inspect
 from ragspec.decoding.drafters.auto import AutoDrafter
 from ragspec.decoding.drafters.base import DraftState, Drafter, NoDraft, Segment
 from ragspec.decoding.drafters.lookahead import LookaheadDrafter
+from ragspec.decoding.drafters.ngrammys import NgrammysDrafter
 from ragspec.decoding.drafters.oracle import OracleDrafter
 from ragspec.decoding.drafters.pld import PromptLookupDrafter
 from ragspec.decoding.drafters.pldplus import PLDPlusAttentionDrafter, PLDPlusHiddenDrafter, default_layer
 from ragspec.decoding.drafters.suffix import SuffixDrafter
 from ragspec.decoding.drafters.trie import NgramTrieDrafter
 
-METHODS = ("none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a", "lookahead", "auto")
+METHODS = ("none", "pld", "trie", "suffix", "pldplus-h", "pldplus-a", "lookahead", "ngrammys", "auto")
 AUTO_PARTS = ("suffix", "pld")  # `auto`'s parts unless `parts` is given, best first
 
 
 CLASSES = {"pld": PromptLookupDrafter, "trie": NgramTrieDrafter, "suffix": SuffixDrafter,
            "pldplus-h": PLDPlusHiddenDrafter, "pldplus-a": PLDPlusAttentionDrafter, "lookahead": LookaheadDrafter,
-           "auto": AutoDrafter}
+           "ngrammys": NgrammysDrafter, "auto": AutoDrafter}
 EXTRA_PARAMS = {"pldplus-a": ("top",)}  # settings that are not constructor arguments
 
 
 def check_params(name: str, params: dict) -> None:
     """ValueError naming the first parameter `name`'s drafter does not take."""
     cls = CLASSES.get(name)
-    internal = ("self", "memory")  # memory: the pipeline's own object, not a spec setting
+    # memory: the pipeline's own object; model_rows / cache_path: ngrammys' model bigram, set from the model
+    internal = ("self", "memory", "model_rows", "cache_path")
     allowed = [] if cls is None else [p for p in inspect.signature(cls.__init__).parameters if p not in internal]
     allowed += EXTRA_PARAMS.get(name, ())
     for key in params:
@@ -61,6 +63,10 @@ def make_drafter(name: str, model=None, tokenizer=None, **params) -> Drafter:
         return SuffixDrafter(**params)
     if name == "lookahead":
         return LookaheadDrafter(**params)
+    if name == "ngrammys":
+        if model is not None and "model_rows" not in params:
+            params["model_rows"], params["cache_path"] = bigram_source(model, params)
+        return NgrammysDrafter(**params)
     if name == "oracle":  # benchmarks only: it needs the reference output (set `.reference` per prompt)
         return OracleDrafter(**params)
     if name == "pldplus-h":
@@ -78,5 +84,25 @@ def make_drafter(name: str, model=None, tokenizer=None, **params) -> Drafter:
     raise ValueError(f"unknown drafting method '{name}' (one of {', '.join(METHODS)})")
 
 
-__all__ = ["AutoDrafter", "DraftState", "Drafter", "LookaheadDrafter", "METHODS", "NoDraft", "NgramTrieDrafter", "OracleDrafter", "PLDPlusAttentionDrafter",
+def bigram_source(model, params: dict):
+    """ngrammys' model bigram for a loaded model: the backend's batched row computation and the per-model
+    cache file ($RAGSPEC_HOME/bigram/<cost key>-<extend>-k<k>-w<w>.sqlite)."""
+    import inspect as _inspect
+
+    from ragspec.decoding.backends import backend_class, is_llama
+    from ragspec.paths import ragspec_home
+
+    if is_llama(model):
+        raise ValueError("ngrammys needs the model's own bigram table, which only the transformers backend "
+                         "computes; use generator.backend transformers (or another drafting method)")
+    backend = backend_class(model)
+    defaults = {p.name: p.default for p in _inspect.signature(NgrammysDrafter.__init__).parameters.values()}
+    k = int(params.get("k", defaults["k"]))
+    extend = params.get("extend", defaults["extend"])
+    w = int(params.get("w", defaults["w"])) if extend == "greedy" else 1
+    path = ragspec_home() / "bigram" / f"{backend.cost_key(model)}-{extend}-k{k}-w{w}.sqlite"
+    return (lambda tokens, k_, w_: backend.bigram_rows(model, tokens, k_, w_)), path
+
+
+__all__ = ["AutoDrafter", "DraftState", "Drafter", "LookaheadDrafter", "METHODS", "NgrammysDrafter", "NoDraft", "NgramTrieDrafter", "OracleDrafter", "PLDPlusAttentionDrafter",
            "PLDPlusHiddenDrafter", "PromptLookupDrafter", "Segment", "SuffixDrafter", "check_params", "make_drafter"]
