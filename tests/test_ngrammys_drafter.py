@@ -204,10 +204,7 @@ def test_ngrammys_drafts_keep_the_distribution(smol, rows_fn, tmp_path):
     assert any(s >= 0 for s in tree.sources) and any(s < 0 for s in tree.sources)  # both strategies
     v = Verifier(model, SETTINGS)
     v.prefill(prompt)
-    with torch.inference_mode():
-        ids = torch.tensor([[v.root] + tree.tokens])
-        pos = torch.tensor([tree.position_ids(v.cached)])
-        logits = v._forward(ids, pos, tree.attention_mask(v.cached, v.dtype)).logits[0]
+    logits = v.score(tree)  # [root + tree] rows, the cache left as it was
     gen = torch.Generator().manual_seed(7)
     counts: dict[tuple[int, int], int] = {}
     for _ in range(SAMPLES):
