@@ -100,6 +100,35 @@ def assert_follows(joint, counts):
     assert power > 0.95, power
 
 
+def colour_prompt(tok):
+    """A chat prompt ending on a spot the context continued several ways (branches for a drafter)."""
+    prompt = chat(tok, "List colours.")
+    return prompt + tok("Colours: red, blue. red, green. red, pink. red,", add_special_tokens=False)["input_ids"]
+
+
+def tree_pairs(model, prompt, joint, tree, seed=7):
+    """SAMPLES draws of the first two tokens from one verifier forward over [root + tree]: the acceptance runs
+    SAMPLES times on its logits (a second token the tree does not reach is drawn from the exact next-token
+    distribution, as a plain step would)."""
+    from ragspec.decoding.backends.accept import accept_sampled
+
+    v = Verifier(model, SETTINGS)
+    v.prefill(prompt)
+    logits = v.score(tree)
+    gen = torch.Generator().manual_seed(seed)
+    counts: dict[tuple[int, int], int] = {}
+    for _ in range(SAMPLES):
+        path, bonus = accept_sampled(tree, logits, SETTINGS, gen)
+        toks = [tree.tokens[i] for i in path] + [bonus]
+        if len(toks) < 2:
+            t1 = toks[0]
+            nxt = sorted(k[1] for k in joint if k[0] == t1)
+            w = torch.tensor([joint[(t1, b)] for b in nxt])
+            toks.append(nxt[int(torch.multinomial(w / w.sum(), 1, generator=gen))])
+        counts[(toks[0], toks[1])] = counts.get((toks[0], toks[1]), 0) + 1
+    return counts
+
+
 def test_first_two_tokens_follow_the_model(smol):
     model, tok = smol
     prompt = chat(tok, "Name one colour of the rainbow.")
@@ -111,52 +140,31 @@ def test_first_two_tokens_follow_the_model(smol):
 
 @pytest.mark.parametrize("method", ["suffix", "auto"])
 def test_suffix_drafts_keep_the_distribution(smol, method):
-    """The suffix drafter's own scored tree (several continuations of a repeated spot) under sampling. The
-    tree's logits come from one verifier forward; the acceptance then runs SAMPLES times on them (a second
-    token the tree does not reach is drawn from the exact next-token distribution, as a plain step would)."""
-    from ragspec.decoding.backends.accept import accept_sampled
+    """The suffix drafter's own scored tree (several continuations of a repeated spot) under sampling."""
     from ragspec.decoding.drafters.base import DraftState
     from ragspec.decoding.drafters import make_drafter
     from ragspec.decoding.drafters.suffix import SuffixDrafter
 
     model, tok = smol
-    prompt = chat(tok, "List colours.")
-    prompt += tok("Colours: red, blue. red, green. red, pink. red,", add_special_tokens=False)["input_ids"]
+    prompt = colour_prompt(tok)
     p1, joint = exact_joint(model, prompt)
     drafter = SuffixDrafter() if method == "suffix" else make_drafter("auto")  # auto: suffix's and pld's trees
     state = DraftState(tokens=list(prompt), prompt_len=len(prompt))
     drafter.prepare(state)
     tree = drafter.propose(state, 12)
     assert len(tree.children(-1)) >= 2 and tree.max_depth() >= 2  # branches and depth: both exercised
-    v = Verifier(model, SETTINGS)
-    v.prefill(prompt)
-    logits = v.score(tree)
-    gen = torch.Generator().manual_seed(7)
-    counts: dict[tuple[int, int], int] = {}
-    for _ in range(SAMPLES):
-        path, bonus = accept_sampled(tree, logits, SETTINGS, gen)
-        toks = [tree.tokens[i] for i in path] + [bonus]
-        if len(toks) < 2:
-            t1 = toks[0]
-            nxt = sorted(k[1] for k in joint if k[0] == t1)
-            w = torch.tensor([joint[(t1, b)] for b in nxt])
-            toks.append(nxt[int(torch.multinomial(w / w.sum(), 1, generator=gen))])
-        key = (toks[0], toks[1])
-        counts[key] = counts.get(key, 0) + 1
-    assert_follows(joint, counts)
+    assert_follows(joint, tree_pairs(model, prompt, joint, tree, seed=7))
 
 
 def test_lookahead_drafts_keep_the_distribution(smol):
     """The lookahead drafter's whole tree under sampling: G guesses from the prompt's pool and the Jacobi window
     (level 0's first token and column 0 both under the root, set to the likeliest and second-likeliest tokens so
     the window's branches are exercised too). One verifier forward; the acceptance runs SAMPLES times on it."""
-    from ragspec.decoding.backends.accept import accept_sampled
     from ragspec.decoding.drafters.base import DraftState
     from ragspec.decoding.drafters.lookahead import LookaheadDrafter
 
     model, tok = smol
-    prompt = chat(tok, "List colours.")
-    prompt += tok("Colours: red, blue. red, green. red, pink. red,", add_special_tokens=False)["input_ids"]
+    prompt = colour_prompt(tok)
     p1, joint = exact_joint(model, prompt)
     order = torch.argsort(p1, descending=True).tolist()
     drafter = LookaheadDrafter(W=4, N=3, G=3)
@@ -166,25 +174,4 @@ def test_lookahead_drafts_keep_the_distribution(smol):
     drafter.levels[1][0] = order[0]  # column 0's level 1
     tree = drafter.propose(state, 64)
     assert tree.fixed and len(tree.children(-1)) >= 4 and tree.max_depth() >= 3
-    v = Verifier(model, SETTINGS)
-    v.prefill(prompt)
-    if hasattr(v, "score"):  # a backend whose prefill caches the root scores [root + tree] itself
-        logits = v.score(tree)
-    else:
-        with torch.inference_mode():
-            ids = torch.tensor([[v.root] + tree.tokens])
-            pos = torch.tensor([tree.position_ids(v.cached)])
-            logits = v._forward(ids, pos, tree.attention_mask(v.cached, v.dtype)).logits[0]
-    gen = torch.Generator().manual_seed(11)
-    counts: dict[tuple[int, int], int] = {}
-    for _ in range(SAMPLES):
-        path, bonus = accept_sampled(tree, logits, SETTINGS, gen)
-        toks = [tree.tokens[i] for i in path] + [bonus]
-        if len(toks) < 2:
-            t1 = toks[0]
-            nxt = sorted(k[1] for k in joint if k[0] == t1)
-            w = torch.tensor([joint[(t1, b)] for b in nxt])
-            toks.append(nxt[int(torch.multinomial(w / w.sum(), 1, generator=gen))])
-        key = (toks[0], toks[1])
-        counts[key] = counts.get(key, 0) + 1
-    assert_follows(joint, counts)
+    assert_follows(joint, tree_pairs(model, prompt, joint, tree, seed=11))

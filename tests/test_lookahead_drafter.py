@@ -13,7 +13,8 @@ from ragspec.decoding.drafters.base import DraftState
 from ragspec.decoding.drafters.lookahead import LookaheadDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
 
-from test_engine_greedy import PASSAGES, QUESTIONS, chat_prompt, reference
+from test_engine_greedy import chat_prompt, reference
+from test_suffix_drafter import cases, run, smol  # noqa: F401 (fixtures)
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
 STEEP = CostModel([1, 2, 4, 8, 16, 32, 64], [100, 200, 400, 800, 1600, 3200, 6400])
@@ -156,31 +157,6 @@ def test_llama_cpp_refuses_lookahead():
 
 
 # -- on the model ----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def smol():
-    from ragspec.models.generator import load_generator
-
-    return load_generator("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="module")
-def cases(smol):
-    model, tok = smol
-    eos = sorted(SpeculativeGenerator(model, tok).eos)
-    out = []
-    for question, p in QUESTIONS:
-        prompt = chat_prompt(tok, PASSAGES[p], question)
-        out.append((prompt, reference(model, prompt, 48, eos)))
-    return out
-
-
-def run(smol, drafter, prompt, max_new=48, budget=64):
-    model, tok = smol
-    gen = SpeculativeGenerator(model, tok, drafter=drafter, max_new_tokens=max_new, budget=budget)
-    text = gen.generate(prompt)
-    return gen, text
-
-
 @pytest.mark.parametrize("budget", ["fixed", "flat", "steep"])
 def test_lookahead_matches_generate(smol, cases, budget):
     model, tok = smol

@@ -16,27 +16,10 @@ from ragspec.decoding.drafters.base import DraftState
 from ragspec.decoding.drafters.ngrammys import NgrammysDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
 
-from test_engine_greedy import PASSAGES, QUESTIONS, chat_prompt, reference
+from test_engine_greedy import PASSAGES, QUESTIONS, chat_prompt
+from test_suffix_drafter import cases, smol  # noqa: F401 (fixtures)
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
-
-
-@pytest.fixture(scope="module")
-def smol():
-    from ragspec.models.generator import load_generator
-
-    return load_generator("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="module")
-def cases(smol):
-    model, tok = smol
-    eos = sorted(SpeculativeGenerator(model, tok).eos)
-    out = []
-    for question, p in QUESTIONS:
-        prompt = chat_prompt(tok, PASSAGES[p], question)
-        out.append((prompt, reference(model, prompt, 48, eos)))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -187,14 +170,10 @@ def test_make_drafter_and_params(smol):
 def test_ngrammys_drafts_keep_the_distribution(smol, rows_fn, tmp_path):
     """An ngrammys tree (context branches and bigram branches under one root) under sampling, as the
     suffix test does: one verifier forward, the acceptance run SAMPLES times on its logits."""
-    from test_engine_sampling import SAMPLES, SETTINGS, assert_follows, chat, exact_joint
-
-    from ragspec.decoding.backends.accept import accept_sampled
-    from ragspec.decoding.verifier import Verifier
+    from test_engine_sampling import assert_follows, colour_prompt, exact_joint, tree_pairs
 
     model, tok = smol
-    prompt = chat(tok, "List colours.")
-    prompt += tok("Colours: red, blue. red, green. red, pink. red,", add_special_tokens=False)["input_ids"]
+    prompt = colour_prompt(tok)
     p1, joint = exact_joint(model, prompt)
     d = drafter(rows_fn, tmp_path / "s.sqlite", k=6, w=3)
     state = DraftState(tokens=list(prompt), prompt_len=len(prompt))
@@ -202,19 +181,4 @@ def test_ngrammys_drafts_keep_the_distribution(smol, rows_fn, tmp_path):
     tree = d.propose(state, 24)
     assert len(tree.children(-1)) >= 3 and tree.max_depth() >= 2
     assert any(s >= 0 for s in tree.sources) and any(s < 0 for s in tree.sources)  # both strategies
-    v = Verifier(model, SETTINGS)
-    v.prefill(prompt)
-    logits = v.score(tree)  # [root + tree] rows, the cache left as it was
-    gen = torch.Generator().manual_seed(7)
-    counts: dict[tuple[int, int], int] = {}
-    for _ in range(SAMPLES):
-        path, bonus = accept_sampled(tree, logits, SETTINGS, gen)
-        toks = [tree.tokens[i] for i in path] + [bonus]
-        if len(toks) < 2:
-            t1 = toks[0]
-            nxt = sorted(k[1] for k in joint if k[0] == t1)
-            w = torch.tensor([joint[(t1, b)] for b in nxt])
-            toks.append(nxt[int(torch.multinomial(w / w.sum(), 1, generator=gen))])
-        key = (toks[0], toks[1])
-        counts[key] = counts.get(key, 0) + 1
-    assert_follows(joint, counts)
+    assert_follows(joint, tree_pairs(model, prompt, joint, tree))
