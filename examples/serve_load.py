@@ -55,7 +55,8 @@ def ask(client, model: str, question: str, max_tokens: int) -> dict:
 
 
 def run_load(url: str, model: str, questions: list[str], *, clients: int = 16, requests: int = 64,
-             max_tokens: int = 32, api_key: str | None = None) -> dict:
+             max_tokens: int = 32, api_key: str | None = None, reference: dict | None = None) -> dict:
+    """`reference` (question → answer, e.g. another server's `answers`) replaces asking each question alone."""
     from openai import OpenAI
 
     host = urlparse(url).hostname
@@ -63,7 +64,7 @@ def run_load(url: str, model: str, questions: list[str], *, clients: int = 16, r
         raise SystemExit(f"the load test runs on loopback only, not {host}")
     clients, requests = min(clients, MAX_CLIENTS), min(requests, MAX_REQUESTS)
     client = OpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "none", max_retries=0, timeout=600)
-    alone = {q: ask(client, model, q, max_tokens)["text"] for q in questions}
+    alone = dict(reference) if reference else {q: ask(client, model, q, max_tokens)["text"] for q in questions}
 
     jobs = [questions[i % len(questions)] for i in range(requests)]
     lock = threading.Lock()
@@ -103,6 +104,7 @@ def run_load(url: str, model: str, questions: list[str], *, clients: int = 16, r
         "wall_s": round(wall, 3), "requests_per_s": round(len(results) / wall, 3) if wall else 0.0,
         "tokens_per_s": round(tokens / wall, 2) if wall else 0.0, "completion_tokens": tokens,
         "mean_latency_s": round(statistics.mean(lat), 3) if lat else 0.0, "max_tokens": max_tokens,
+        "answers": alone,
     }
 
 

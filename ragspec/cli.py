@@ -96,6 +96,12 @@ def index(
     nprobe: Optional[int] = typer.Option(None, "--nprobe", help="IVF lists probed per query (16)"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda"),
     spec: Optional[Path] = typer.Option(None, "--pipeline", help="take index settings from a pipeline YAML"),
+    executor: str = typer.Option("local", "--executor", help="local | ray (chunk and embed on a Ray cluster)"),
+    address: Optional[str] = typer.Option(None, "--address", help="with --executor ray: the cluster "
+                                          "('auto', 'ray://HOST:10001'); default: start a local Ray"),
+    embed_actors: int = typer.Option(1, "--embed-actors", help="with --executor ray: embedding actors"),
+    gpus_per_actor: float = typer.Option(0.0, "--gpus-per-actor", help="with --executor ray: GPUs per actor "
+                                         "(0: embed on CPU)"),
 ):
     """Build or update an index from a folder of documents."""
 
@@ -117,7 +123,8 @@ def index(
             ).items() if v is not None},
         })
         target = out or default_index_root() / (name or default_name(path))
-        s = build_index(path, target, settings)
+        runner = _index_executor(executor, address, embed_actors, gpus_per_actor)
+        s = build_index(path, target, settings, executor=runner)
         for note in s.notes:
             console.print(f"[dim]{note}[/]")
         if s.up_to_date:
@@ -135,6 +142,22 @@ def index(
         )
 
     _run(body)
+
+
+def _index_executor(kind: str, address: str | None, actors: int, gpus: float):
+    """None (this process) or a RayExecutor; the Ray options are refused without --executor ray."""
+    if kind == "local":
+        if address is not None or actors != 1 or gpus != 0.0:
+            raise RagspecError("--address, --embed-actors and --gpus-per-actor go with --executor ray")
+        return None
+    if kind != "ray":
+        raise RagspecError(f"--executor must be local or ray (got '{kind}')")
+    from ragspec.cluster import require_ray
+
+    require_ray()
+    from ragspec.cluster.indexing import RayExecutor
+
+    return RayExecutor(address=address, embed_actors=actors, gpus_per_actor=gpus)
 
 
 @app.command()
@@ -792,6 +815,11 @@ def serve(
     port: int = typer.Option(8000, "--port"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="RAGSPEC_API_KEY",
                                           help="require Authorization: Bearer KEY on /v1 endpoints"),
+    executor: str = typer.Option("local", "--executor", help="local | ray (replicas behind Ray Serve's proxy)"),
+    replicas: int = typer.Option(1, "--replicas", help="with --executor ray: server replicas, each with its "
+                                 "own model"),
+    address: Optional[str] = typer.Option(None, "--address", help="with --executor ray: the cluster "
+                                          "('auto', 'ray://HOST:10001'); default: start a local Ray"),
 ):
     """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/ask, /v1/search, …) and a web page at /."""
 
@@ -806,6 +834,13 @@ def serve(
         from ragspec.spec import load_spec
 
         check_bind(host, api_key)
+        if executor not in ("local", "ray"):
+            raise RagspecError(f"--executor must be local or ray (got '{executor}')")
+        if executor == "local" and (replicas != 1 or address is not None):
+            raise RagspecError("--replicas and --address go with --executor ray")
+        if executor == "ray":
+            _serve_on_ray(index_path, load_spec(spec), replicas, host, port, api_key, address)
+            return
         with console.status("loading the index and the model…"):
             server = build_server(str(index_path), load_spec(spec), api_key=api_key)
         shown = f"[{host}]" if ":" in host else host
@@ -814,6 +849,33 @@ def serve(
         uvicorn.run(create_app(server), host=host, port=port, log_level="warning")
 
     _run(body)
+
+
+def _serve_on_ray(index_path, spec, replicas, host, port, api_key, address):
+    from ragspec.cluster import require_ray
+
+    require_ray()
+    from ragspec.cluster import serving
+
+    if replicas < 1:
+        raise RagspecError(f"--replicas must be at least 1 (got {replicas})")
+    from ragspec.index.reader import Index
+
+    Index(index_path).close()  # a bad path fails here, in one line, before any replica loads a model
+    with console.status(f"starting {replicas} Ray Serve replica(s), each loading the index and the model…"):
+        url = serving.start(index_path, spec, replicas=replicas, host=host, port=port, api_key=api_key,
+                            address=address)
+    console.print(f"ragspec serving {index_path} with {spec.generator.model} on {url}/ ({replicas} Ray Serve "
+                  "replicas" + (", API key required)" if api_key else ")") + "; Ctrl-C stops")
+    import time
+
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serving.stop()
 
 
 @app.command()

@@ -66,3 +66,12 @@ def test_eval_retrieval_json(tmp_path):
     assert res["stages"]["hybrid"]["ndcg@10"] == 1.0
     assert res["stages"]["sources"]["ndcg@10"] == 1.0  # what an ask gets, after source building
     assert "ann_recall@10" in res
+
+
+def test_ray_options_need_the_ray_executor(tmp_path):
+    r = runner.invoke(app, ["index", str(tmp_path), "--embed-actors", "2"])
+    assert r.exit_code != 0 and "go with --executor ray" in r.output
+    r = runner.invoke(app, ["index", str(tmp_path), "--executor", "spark"])
+    assert r.exit_code != 0 and "--executor must be local or ray" in r.output
+    r = runner.invoke(app, ["serve", "--index", str(tmp_path), "--replicas", "2"])
+    assert r.exit_code != 0 and "go with --executor ray" in r.output

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ragspec.console import console, progress, warn
-from ragspec.corpus.chunker import ChunkerSettings, chunk_text
+from ragspec.corpus.chunker import Chunk, ChunkerSettings, chunk_text
 from ragspec.corpus.loader import Document, ScanReport, SourceFile, read_file, walk
 from ragspec.errors import RagspecError
 from ragspec.index import faiss_index, layout, manifest
@@ -74,6 +74,7 @@ def build_index(
     embedder=None,
     show_progress: bool = True,
     reuse_from: Path | str | None = None,
+    executor=None,
 ) -> BuildSummary:
     """Build or update the index at `target` (a link to its current version) from `corpus`.
 
@@ -172,7 +173,8 @@ def build_index(
         try:
             tmp = layout.new_tmp_dir(target)
             summary_out = _write_version(
-                tmp, root, root_given, files, keep, new_docs, prev, settings, embedder, summary, show_progress
+                tmp, root, root_given, files, keep, new_docs, prev, settings, embedder, summary, show_progress,
+                executor,
             )
             version = layout.publish(tmp, target)
         except BaseException as exc:
@@ -193,76 +195,61 @@ def build_index(
         return summary_out
 
 
-def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings, embedder, summary, show_progress):
-    chunker = ChunkerSettings(settings.chunk_tokens, settings.overlap)
+def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings, embedder, summary, show_progress,
+                   executor=None):
     writer = StoreWriter(tmp / STORE)
     prev_vectors = np.load(prev.folder / EMBEDDINGS, allow_pickle=False, mmap_mode="r") if keep else None
     rows_from_prev: list[int] = []  # prev chunk ids, in new-id order, for reused chunks
-    slots_new: list[int] = []  # new chunk ids that need embedding
-    texts_new: list[str] = []
+    slots_new: list[int] = []  # rows of `fresh` (the new chunks' vectors), -1 for reused chunks
     all_texts: list[str] = []
     n_docs = 0
-    if new_docs and embedder is None:
+    fresh_docs = [d for f in files if f.rel in new_docs for d in new_docs[f.rel]]
+    if fresh_docs and executor is None and embedder is None:  # loaded before the clock starts, as always
         from ragspec.models.embedder import load_embedder
 
         embedder = load_embedder(settings.embedder, settings.device, settings.embed_dtype, settings.chunk_tokens)
-    with progress() as bar:
-        task = bar.add_task("chunking", total=len(files), visible=show_progress)
-        for f in files:
-            if f.rel in keep:
-                for row in keep[f.rel].rows:
-                    doc, text, ftype, meta = prev.store.document_full(row.id)
-                    did = writer.add_document(
-                        path=doc.path, key=doc.key, sha256=doc.sha256, size=keep[f.rel].size,
-                        mtime=keep[f.rel].mtime, title=doc.title, encoding=doc.encoding, text=text,
-                        file_type=ftype, meta=meta,
-                    )
-                    old_chunks = prev.store.chunks_of(row.id)
-                    writer.add_chunks(did, [(o, s, e, t) for _, o, s, e, t in old_chunks])
-                    rows_from_prev.extend(cid for cid, *_ in old_chunks)
-                    all_texts.extend(t for *_, t in old_chunks)
-                    slots_new.extend([-1] * len(old_chunks))
-                    n_docs += 1
-            elif f.rel in new_docs:
-                for d in new_docs[f.rel]:
-                    did = writer.add_document(
-                        path=d.rel, key=d.key, sha256=d.sha256, size=d.size, mtime=d.mtime,
-                        title=d.title, encoding=d.encoding, text=d.text, file_type=file_type(d.rel), meta=d.meta,
-                    )
-                    chunks = chunk_text(d.text, embedder.tokenizer, chunker)
-                    writer.add_chunks(did, [(c.order, c.start, c.end, c.text) for c in chunks])
-                    for c in chunks:
-                        rows_from_prev.append(-1)
-                        slots_new.append(len(texts_new))
-                        texts_new.append(c.text)
-                        all_texts.append(c.text)
-                    n_docs += 1
-            bar.advance(task)
+    t_embed = time.perf_counter()
+    done = (executor or LocalExecutor(embedder)).chunk_embed([d.text for d in fresh_docs], settings, show_progress)
+    if fresh_docs:
+        summary.embed_seconds = time.perf_counter() - t_embed
+    next_doc = iter(done.chunks)
+    n_fresh = 0
+    for f in files:
+        if f.rel in keep:
+            for row in keep[f.rel].rows:
+                doc, text, ftype, meta = prev.store.document_full(row.id)
+                did = writer.add_document(
+                    path=doc.path, key=doc.key, sha256=doc.sha256, size=keep[f.rel].size,
+                    mtime=keep[f.rel].mtime, title=doc.title, encoding=doc.encoding, text=text,
+                    file_type=ftype, meta=meta,
+                )
+                old_chunks = prev.store.chunks_of(row.id)
+                writer.add_chunks(did, [(o, s, e, t) for _, o, s, e, t in old_chunks])
+                rows_from_prev.extend(cid for cid, *_ in old_chunks)
+                all_texts.extend(t for *_, t in old_chunks)
+                slots_new.extend([-1] * len(old_chunks))
+                n_docs += 1
+        elif f.rel in new_docs:
+            for d in new_docs[f.rel]:
+                did = writer.add_document(
+                    path=d.rel, key=d.key, sha256=d.sha256, size=d.size, mtime=d.mtime,
+                    title=d.title, encoding=d.encoding, text=d.text, file_type=file_type(d.rel), meta=d.meta,
+                )
+                chunks = next(next_doc)
+                writer.add_chunks(did, [(c.order, c.start, c.end, c.text) for c in chunks])
+                for c in chunks:
+                    rows_from_prev.append(-1)
+                    slots_new.append(n_fresh)
+                    n_fresh += 1
+                    all_texts.append(c.text)
+                n_docs += 1
     writer.close()
     n = len(all_texts)
     if n == 0:
         raise RagspecError("no chunks: the corpus has no readable documents (see the warnings above)")
-    dim = embedder.dim if embedder is not None else prev_vectors.shape[1]
+    fresh = done.vectors
+    dim = fresh.shape[1] if n_fresh else prev_vectors.shape[1]
     vectors = np.zeros((n, dim), dtype=np.float32)
-    t_embed = time.perf_counter()
-    if texts_new:
-        # copies of one text (the same paragraph in several files) are embedded once
-        first: dict[str, int] = {}
-        distinct: list[str] = []
-        slot_of: list[int] = []
-        for t in texts_new:
-            h = text_hash(t)
-            if h not in first:
-                first[h] = len(distinct)
-                distinct.append(t)
-            slot_of.append(first[h])
-        with progress() as bar:
-            task = bar.add_task("embedding", total=len(distinct), visible=show_progress)
-            fresh = embedder.encode(distinct, settings.embed_batch_size, on_batch=lambda k: bar.advance(task, k))
-        fresh = fresh[np.asarray(slot_of, dtype=np.int64)]
-        summary.embed_seconds = time.perf_counter() - t_embed
-    else:
-        fresh = np.zeros((0, dim), dtype=np.float32)
     for i in range(n):
         if rows_from_prev[i] >= 0:
             vectors[i] = prev_vectors[rows_from_prev[i]]
@@ -280,8 +267,8 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
 
         with console.status("BM25") if show_progress else _null():
             bm25.build(all_texts, tmp / BM25_DIR)
-    embedder_name = embedder.name if embedder is not None else prev.manifest["embedder"]["name"]
-    embed_dtype = embedder.dtype if embedder is not None else prev.manifest["embedder"]["dtype"]
+    embedder_name = done.embedder if fresh_docs else prev.manifest["embedder"]["name"]
+    embed_dtype = done.dtype if fresh_docs else prev.manifest["embedder"]["dtype"]
     files_meta = {}
     for p in sorted(tmp.rglob("*")):
         if p.is_file():
@@ -312,11 +299,61 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
     summary.documents = n_docs
     summary.files = len(files)
     summary.chunks = n
-    summary.embedded = len(texts_new)
-    summary.reused = n - len(texts_new)
+    summary.embedded = n_fresh
+    summary.reused = n - n_fresh
     summary.factory = plan.factory
     summary.index_type = plan.kind
     return summary
+
+
+@dataclass
+class Embedded:
+    """What an executor returns for the documents it was given: their chunks and one vector per chunk."""
+
+    chunks: list[list[Chunk]]  # per document, in the order given
+    vectors: np.ndarray  # float32, one row per chunk: documents in order, each document's chunks in order
+    embedder: str = ""  # the embedder's canonical name and dtype, for the manifest
+    dtype: str = ""
+
+
+class LocalExecutor:
+    """Chunk and embed in this process (the default; `ragspec.cluster.indexing.RayExecutor` is the other)."""
+
+    def __init__(self, embedder=None):
+        self.embedder = embedder
+
+    def chunk_embed(self, texts: list[str], settings: IndexSettings, show_progress: bool = True) -> Embedded:
+        if not texts:
+            return Embedded([], np.zeros((0, 0), dtype=np.float32))
+        if self.embedder is None:
+            from ragspec.models.embedder import load_embedder
+
+            self.embedder = load_embedder(settings.embedder, settings.device, settings.embed_dtype,
+                                          settings.chunk_tokens)
+        emb = self.embedder
+        chunker = ChunkerSettings(settings.chunk_tokens, settings.overlap)
+        chunks: list[list[Chunk]] = []
+        with progress() as bar:
+            task = bar.add_task("chunking", total=len(texts), visible=show_progress)
+            for text in texts:
+                chunks.append(chunk_text(text, emb.tokenizer, chunker))
+                bar.advance(task)
+        flat = [c.text for doc in chunks for c in doc]
+        # copies of one text (the same paragraph in several files) are embedded once
+        first: dict[str, int] = {}
+        distinct: list[str] = []
+        slot_of: list[int] = []
+        for t in flat:
+            h = text_hash(t)
+            if h not in first:
+                first[h] = len(distinct)
+                distinct.append(t)
+            slot_of.append(first[h])
+        with progress() as bar:
+            task = bar.add_task("embedding", total=len(distinct), visible=show_progress)
+            vecs = emb.encode(distinct, settings.embed_batch_size, on_batch=lambda k: bar.advance(task, k))
+        vectors = vecs[np.asarray(slot_of, dtype=np.int64)] if flat else np.zeros((0, emb.dim), np.float32)
+        return Embedded(chunks, vectors, emb.name, emb.dtype)
 
 
 def file_type(rel: str) -> str:
