@@ -4,7 +4,8 @@ and attribution see only this, so they never depend on torch or llama.cpp throug
 A backend holds one model's KV state and the sequence decoded so far. `prefill` caches the prompt, its last
 token (the first step's root) included where it can, keeping that row's logits, so the first step runs only
 its tree (as HF `generate` and llama.cpp read a prompt: no extra one-token forward); `step` runs [root + tree]
-in one forward, accepts a path (accept.py) and keeps only that path in the cache; `calibrate` measures t(n), the forward time of n tokens, for the budget.
+in one forward, accepts a path (accept.py) and keeps only that path in the cache; `calibrate` measures t(n),
+the forward time of n tokens, for the budget.
 """
 
 from __future__ import annotations
