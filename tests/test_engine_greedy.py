@@ -154,21 +154,29 @@ def test_adversarial_drafters(smol, cases):
     assert gen.stats.steps <= 3
 
 
-def test_max_new_tokens_and_eos_are_never_passed(smol, cases):
+def check_limits_and_eos(smol, cases, drafters, budget=64):
+    """Output equals greedy when max_new_tokens or eos falls inside a draft: `drafters(ref, size)` gives the
+    drafters to try for a reference continuation (each is run fresh)."""
     model, tok = smol
     prompt, ref = cases[0]
     for limit in (1, 2, 5, 13):
-        gen, text = run(smol, OracleDrafter(ref, 60), prompt, max_new=limit, budget=60)
-        assert gen.tokens == ref[:limit]
-        assert gen.stats.new_tokens == min(limit, len(ref))
+        for drafter in drafters(ref, budget):
+            gen, _ = run(smol, drafter, prompt, max_new=limit, budget=budget)
+            assert gen.tokens == ref[:limit], drafter.name
+            assert gen.stats.new_tokens == min(limit, len(ref))
     # a prompt whose answer ends with eos inside max_new_tokens
     short = chat_prompt(tok, "The sky is blue.", "Answer with one word: what colour is the sky?")
     eos = sorted(SpeculativeGenerator(model, tok).eos)
     ref = reference(model, short, 40, eos)
     assert ref[-1] in eos and len(ref) < 40
-    gen, text = run(smol, OracleDrafter(ref, 80), short, max_new=40, budget=80)
-    assert gen.tokens == ref and gen.stats.finish_reason == "eos"
-    assert text == tok.decode(ref, skip_special_tokens=True)
+    for drafter in drafters(ref, 2 * budget):
+        gen, text = run(smol, drafter, short, max_new=40, budget=2 * budget)
+        assert gen.tokens == ref and gen.stats.finish_reason == "eos", drafter.name
+        assert text == tok.decode(ref, skip_special_tokens=True)
+
+
+def test_max_new_tokens_and_eos_are_never_passed(smol, cases):
+    check_limits_and_eos(smol, cases, lambda ref, size: [OracleDrafter(ref, size)], budget=60)
 
 
 def test_stop_strings_cut_the_text(smol, cases):

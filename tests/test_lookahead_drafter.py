@@ -13,8 +13,7 @@ from ragspec.decoding.drafters.base import DraftState
 from ragspec.decoding.drafters.lookahead import LookaheadDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
 
-from test_engine_greedy import chat_prompt, reference
-from test_suffix_drafter import cases, run, smol  # noqa: F401 (fixtures)
+from test_engine_greedy import cases, check_limits_and_eos, run, smol  # noqa: F401 (fixtures)
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
 STEEP = CostModel([1, 2, 4, 8, 16, 32, 64], [100, 200, 400, 800, 1600, 3200, 6400])
@@ -218,20 +217,7 @@ def test_adversarial_pools_and_windows(smol, cases):
 
 
 def test_max_new_tokens_and_eos_are_never_passed(smol, cases):
-    model, tok = smol
-    prompt, ref = cases[0]
-    for limit in (1, 2, 5, 13):
-        gen, _ = run(smol, RightWindow(ref, W=4, N=3, G=2), prompt, max_new=limit)
-        assert gen.tokens == ref[:limit]
-        assert gen.stats.new_tokens == min(limit, len(ref))
-    short = chat_prompt(tok, "The sky is blue.", "Answer with one word: what colour is the sky?")
-    eos = sorted(SpeculativeGenerator(model, tok).eos)
-    ref = reference(model, short, 40, eos)
-    assert ref[-1] in eos and len(ref) < 40
-    for drafter in (LookaheadDrafter(), RightWindow(ref, W=8, N=3)):
-        gen, text = run(smol, drafter, short, max_new=40)
-        assert gen.tokens == ref and gen.stats.finish_reason == "eos"
-        assert text == tok.decode(ref, skip_special_tokens=True)
+    check_limits_and_eos(smol, cases, lambda ref, size: [LookaheadDrafter(), RightWindow(ref, W=4, N=3, G=2)])
 
 
 def test_sampling_runs_through_the_loop(smol, cases):

@@ -15,36 +15,11 @@ from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.decoding.memory import AnswerMemory
 from ragspec.decoding.tree import DraftTree
 
-from test_engine_greedy import PASSAGES, QUESTIONS, chat_prompt, reference
+from test_engine_greedy import PASSAGES, QUESTIONS, cases, chat_prompt, reference, run, smol  # noqa: F401 (fixtures)
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
 MID = CostModel([1, 2, 4, 8, 16, 32, 64], [100 + 20 * (n - 1) for n in (1, 2, 4, 8, 16, 32, 64)])
 STEEP = CostModel([1, 2, 4, 8, 16, 32, 64], [100, 200, 400, 800, 1600, 3200, 6400])
-
-
-@pytest.fixture(scope="module")
-def smol():
-    from ragspec.models.generator import load_generator
-
-    return load_generator("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="module")
-def cases(smol):
-    model, tok = smol
-    eos = sorted(SpeculativeGenerator(model, tok).eos)
-    out = []
-    for question, p in QUESTIONS:
-        prompt = chat_prompt(tok, PASSAGES[p], question)
-        out.append((prompt, reference(model, prompt, 48, eos)))
-    return out
-
-
-def run(smol, drafter, prompt, max_new=48, budget=64):
-    model, tok = smol
-    gen = SpeculativeGenerator(model, tok, drafter=drafter, max_new_tokens=max_new, budget=budget)
-    text = gen.generate(prompt)
-    return gen, text
 
 
 @pytest.mark.parametrize("budget", ["fixed", "flat", "steep"])
