@@ -463,7 +463,8 @@ def eval_answers(
             if retrieve is not None:
                 pipe.retriever  # noqa: B018 — a bad index fails before the model loads
             pipe.load()
-        meta = {"format": fmt, "data": str(data), "style": pipe.spec.prompt.style, "model": pipe.spec.generator.model,
+        meta = {"format": fmt, "data": str(data), "style": pipe.spec.prompt.style,
+                "decline": None if pipe.spec.prompt.system else pipe.decline, "model": pipe.spec.generator.model,
                 "drafting": pipe.spec.drafting.method, "max_new_tokens": pipe.spec.generator.max_new_tokens,
                 "sources": "retrieved from " + str(retrieve) if retrieve else "the record's own passages"}
         rows = []

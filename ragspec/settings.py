@@ -70,6 +70,11 @@ class PromptSettings(Strict):
                              "ask; brief: a one-sentence answer, then the supporting sentence copied verbatim"
     )
     system: str | None = Field(None, description="replace the built-in system instruction of the style")
+    decline: Literal["auto", "last_resort", "expected"] = Field(
+        "auto", description="how the instruction to decline is phrased: last_resort (\"if, and only if, none of "
+        "the sources answers\"), expected (the sources usually hold the answer; decline only if none says anything "
+        "about it); auto: the model's measured best (registry), else last_resort"
+    )
     max_context_tokens: int | None = Field(
         None, ge=64, description="prompt budget; default the model's window minus max_new_tokens"
     )

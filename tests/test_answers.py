@@ -14,7 +14,7 @@ from ragspec.errors import RagspecError
 from ragspec.eval.answers import (answer_contains, citation_coverage, is_refusal, normalize, read_records,
                                   record_sources, summarize, token_f1)
 from ragspec.pipeline import DECLINED, Answer, AnswerStats, is_declined
-from ragspec.pipeline.prompt import STYLES, SYSTEM
+from ragspec.pipeline.prompt import DECLINES, STYLES, SYSTEM, PromptBuilder, SourceText, system_instruction
 
 from conftest import write_corpus
 
@@ -59,6 +59,39 @@ def test_refusal_is_the_fixed_declined_string():
     for style in STYLES:  # every style tells the model the exact string
         assert DECLINED in SYSTEM[style]
     assert set(STYLES) >= {"quote", "free", "brief"}
+
+
+def test_decline_phrasing_per_model(tmp_path):
+    """`prompt.decline`: both phrasings carry the exact string; `auto` takes the registry's measured choice
+    (the 1.5B, by name or hub id: `expected`), else `last_resort`; an explicit value wins; a bad one is refused."""
+    from transformers import AutoTokenizer
+
+    from ragspec.models.generator import generator_source
+    from ragspec.pipeline import Pipeline
+    from ragspec.spec import load_spec
+
+    for style in STYLES:
+        for decline in DECLINES:
+            assert DECLINED in system_instruction(style, decline)
+        assert system_instruction(style) == SYSTEM[style]
+    assert system_instruction("quote", "expected") != system_instruction("quote", "last_resort")
+
+    def decline(model, value="auto"):
+        return Pipeline({"generator": {"model": model}, "prompt": {"decline": value}}).decline
+
+    assert decline("qwen2.5-coder-1.5b-instruct") == "expected"
+    assert decline("Qwen/Qwen2.5-Coder-1.5B-Instruct") == "expected"
+    assert decline("qwen2.5-coder-0.5b-instruct") == "last_resort"
+    assert decline("some/unknown-model") == "last_resort"
+    assert decline("qwen2.5-coder-1.5b-instruct", "last_resort") == "last_resort"
+    with pytest.raises(Exception, match="decline"):
+        load_spec({"prompt": {"decline": "never"}})
+    # the builder puts the chosen phrasing into the rendered prompt
+    tok = AutoTokenizer.from_pretrained(generator_source("smollm2-135m-instruct"))
+    src = [SourceText(1, "The Danube rises in the Black Forest.")]
+    for d in DECLINES:
+        text = tok.decode(PromptBuilder(tok, "quote", decline=d).build("Where does it rise?", src).ids)
+        assert system_instruction("quote", d) in text
 
 
 def test_answer_declined_flag_and_json():

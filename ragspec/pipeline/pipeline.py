@@ -53,6 +53,18 @@ class Pipeline:
 
     # -- parts, loaded once ----------------------------------------------------------------------------------
     @property
+    def decline(self) -> str:
+        """The decline phrasing: `prompt.decline`, or with `auto` the generator's measured best (registry)."""
+        d = self.spec.prompt.decline
+        if d != "auto":
+            return d
+        from ragspec.models.registry import EMBEDDED, lookup
+
+        name = self.spec.generator.model
+        entry = lookup(name) or next((m for m in EMBEDDED.values() if m.hub_id.lower() == name.lower()), None)
+        return (entry.extra.get("decline") if entry else None) or "last_resort"
+
+    @property
     def device(self) -> str:
         d = self.spec.generator.device
         if d == "auto":
@@ -142,7 +154,7 @@ class Pipeline:
         if budget is None:
             window = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
             budget = window - max_new_tokens if window else None
-        return PromptBuilder(self.tokenizer, p.style, p.system, budget)
+        return PromptBuilder(self.tokenizer, p.style, p.system, budget, decline=self.decline)
 
     # -- retrieval -------------------------------------------------------------------------------------------
     def retrieve(self, question: str, filter=None) -> tuple[list[SourceText], float]:
