@@ -528,7 +528,7 @@ def bench_search(
 @app.command()
 def bench(
     prompts: Path = typer.Option(Path("../shared/data/spec_bench/question.jsonl"), "--prompts"),
-    category: str = typer.Option("rag", "--category", help="a Spec-Bench category, or all (each category in turn)"),
+    category: str = typer.Option("rag", "--category", help="a Spec-Bench category, several (a,b,c), or all (each category in turn)"),
     limit: Optional[int] = typer.Option(None, "--limit", help="at most N prompts (of each category with all)"),
     offset: int = typer.Option(0, "--offset", help="skip the category's first N prompts (a held-out fold)"),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", "--model"),
@@ -574,13 +574,14 @@ def bench(
         from rich.table import Table
 
         out = Console(width=None if sys.stdout.isatty() else 200)  # a log file gets the whole table
-        if category == "all":
+        if category == "all" or "," in category:
             from ragspec.bench.decoding import run_categories
 
             with progress() as bar:
                 task = bar.add_task(f"all categories × {len(rows)}", total=len(rows))
                 result = run_categories(lm, tok, rows, chosen_methods, max_new_tokens, b,
-                                        progress=lambda: bar.advance(task), model_name=model, on_result=write)
+                                        progress=lambda: bar.advance(task), model_name=model, on_result=write,
+                                        label=category)
             if plot_out:
                 for cat, r in result["categories"].items():
                     plot(r, plot_out.with_name(f"{plot_out.stem}-{cat}{plot_out.suffix}"))

@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from typer.testing import CliRunner
 
 from ragspec.cli import app
+from ragspec.errors import RagspecError
 
 
 def test_bench_json_schema(tmp_path):
@@ -55,6 +58,10 @@ def test_bench_all_categories_in_one_run(tmp_path):
                                for i, (c, t) in enumerate(rows)))
     assert [r["question_id"] for r in load_prompts(prompts, "all", 1)] == [0, 1]
     assert [r["question_id"] for r in load_prompts(prompts, "all", None, offset=1)] == [2, 3]
+    # several categories, in the order given (a long `all` run split across processes)
+    assert [r["question_id"] for r in load_prompts(prompts, "qa,summarization", 1)] == [1, 0]
+    with pytest.raises(RagspecError, match="no category 'rag'"):
+        load_prompts(prompts, "qa,rag", 1)
     out = tmp_path / "all.json"
     r = CliRunner().invoke(app, ["bench", "--prompts", str(prompts), "--category", "all", "--limit", "1", "--model",
                                  "smollm2-135m-instruct", "--methods", "vanilla,suffix,oracle", "--max-new-tokens",
@@ -67,6 +74,9 @@ def test_bench_all_categories_in_one_run(tmp_path):
         assert result["category"] == cat and result["prompts"] == 1
         assert set(res["table"][cat]) == {"vanilla", "suffix", "oracle"}
         assert res["table"][cat]["suffix"]["identical"] == 1
+        # vanilla's output is kept per prompt, the reference bench.replay needs
+        (qid, toks), = result["vanilla_outputs"].items()
+        assert int(qid) == next(i for i, (c, _) in enumerate(rows) if c == cat) and 0 < len(toks) <= 8
     assert "all categories" in r.output and "oracle (ceiling)" in r.output
     bad = CliRunner().invoke(app, ["bench", "--prompts", str(prompts), "--category", "all", "--limit", "0"])
     assert bad.exit_code != 0 and "--limit must be at least 1" in bad.output

@@ -42,7 +42,8 @@ def cpu_info() -> dict:
 
 
 def load_prompts(path: Path, category: str, limit: int | None, offset: int = 0) -> list[dict]:
-    """Prompts of one category, or of every category (`all`), in file order; `offset` and `limit` apply per
+    """Prompts of one category, of several (`a,b,c`: in that order, so a long `all` run can be split across
+    processes and its parts merged), or of every category (`all`, file order); `offset` and `limit` apply per
     category (skip the first `offset` of each: a held-out fold; then at most `limit` of each)."""
     groups: dict[str, list[dict]] = {}
     with open(path, encoding="utf-8") as f:
@@ -50,8 +51,13 @@ def load_prompts(path: Path, category: str, limit: int | None, offset: int = 0) 
             if line.strip():
                 obj = json.loads(line)
                 groups.setdefault(obj.get("category"), []).append(obj)
+    wanted = list(groups) if category == "all" else [c.strip() for c in category.split(",") if c.strip()]
+    missing = [c for c in wanted if c not in groups]
+    if missing and len(wanted) > 1:
+        raise RagspecError(f"no category {', '.join(repr(c) for c in missing)} in {path} "
+                           f"(it has: {', '.join(map(str, groups))})")
     rows = []
-    for cat in (list(groups) if category == "all" else [category]):
+    for cat in wanted:
         chosen = groups.get(cat, [])[offset:]
         rows += chosen[:limit] if limit else chosen
     if not rows:
@@ -68,10 +74,11 @@ def by_category(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 def run_categories(model, tokenizer, rows: list[dict], methods: list[str], max_new_tokens: int = 128,
-                   budget: str | int = "auto", progress=None, model_name: str = "", on_result=None) -> dict:
-    """`--category all`: `run_bench` on each category in turn in one process (the model loads once), one result
-    per category and a category × method table; `on_result(result_so_far)` after every prompt."""
-    out = {"model": model_name, "category": "all", "max_new_tokens": max_new_tokens, "complete": False,
+                   budget: str | int = "auto", progress=None, model_name: str = "", on_result=None,
+                   label: str = "all") -> dict:
+    """`--category all` (or `a,b,c`): `run_bench` on each category in turn in one process (the model loads once),
+    one result per category and a category × method table; `on_result(result_so_far)` after every prompt."""
+    out = {"model": model_name, "category": label, "max_new_tokens": max_new_tokens, "complete": False,
            "categories": {}}
 
     def keep(cat: str, result: dict) -> None:
@@ -229,13 +236,15 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
     hist = defaultdict(list)
     divergences = defaultdict(list)
     identical = defaultdict(int)
+    outputs: dict[str, list[int]] = {}  # vanilla's tokens per prompt: greedy's reference, for bench.replay
     head = {"model": model_name, "category": category, "max_new_tokens": max_new_tokens,
             "budget": budget if isinstance(budget, int) else "auto", "cost_model": cost.as_dict() if cost else None,
             "cpu": cpu_info(), "machine": machine_info(), "device": str(getattr(model, "device", "cpu")),
             "backend": "llama.cpp" if is_llama(model) else "transformers"}
 
     def summary(done: int) -> dict:
-        return _summarize(acc, hist, divergences, identical, memory, methods, done, len(prompts), head)
+        return {**_summarize(acc, hist, divergences, identical, memory, methods, done, len(prompts), head),
+                "vanilla_outputs": dict(outputs)}
 
     for n, row in enumerate(prompts):
         prompt = chat_ids(tokenizer, row["turns"][0])
@@ -247,6 +256,7 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
             toks, total_ms, stats = _run_one(m, model, tokenizer, prompt, max_new_tokens, eos, drafters, budgets)
             if m == "vanilla":
                 ref = toks
+                outputs[str(row.get("question_id", n))] = list(toks)
             a = acc[m]
             a["tokens"] += len(toks)
             a["total_ms"] += total_ms
