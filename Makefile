@@ -51,7 +51,7 @@ test: install
 	$(PY) -m pytest -q
 
 # The quickstart asks with the 1.5B generator (pipelines/accurate.yaml): on the quickstart corpus it answers
-# 6 of 12 questions right where the default 0.5B answers 3 (README, "Which model").
+# 7 of 12 questions right where the default 0.5B answers 3 (README, "Which model").
 quickstart: install model-1.5b
 	$(PY) examples/pydoc_corpus.py $(QUICKSTART_CORPUS)
 	$(VENV)/bin/ragspec index $(QUICKSTART_CORPUS) --name pydoc-topics

@@ -541,11 +541,15 @@ def bench(
     budget: str = typer.Option("auto", "--budget", help="draft tree size: auto (cost-aware) or a number"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the result JSON here"),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="write accepted-length histograms (PNG)"),
+    merge: Optional[list[str]] = typer.Option(None, "--merge", help="no run: merge these result JSONs (runs of "
+                                              "some categories each) into one table (and --json)"),
 ):
     """Decoding speed: vanilla greedy vs HF prompt lookup vs ragspec drafters, outputs checked identical."""
 
     def body():
         _quiet_libraries()
+        if merge:
+            return _merge_runs(merge, json_out)
         from ragspec.bench.decoding import load_prompts, plot, run_bench
         from ragspec.console import progress
         from ragspec.models.generator import load_generator
@@ -611,6 +615,33 @@ def bench(
         _print_machine(out, result)
 
     _run(body)
+
+
+def _merge_runs(paths: list[str], json_out: Optional[Path]) -> None:
+    from rich.console import Console
+
+    from ragspec.bench.decoding import merge_categories
+
+    runs = []
+    for p in paths:
+        try:
+            runs.append(json.loads(Path(p).read_text(encoding="utf-8")))
+        except (OSError, ValueError) as e:
+            raise RagspecError(f"cannot read bench result {p}: {e}") from e
+    result = merge_categories(runs)
+    if json_out:
+        _write_json_atomic(json_out, result)
+    first = next(iter(result["categories"].values()))
+    out = Console(width=None if sys.stdout.isatty() else 200)
+    out.print(_category_table(result, result["model"], first.get("backend", "transformers"), result["max_new_tokens"]))
+    if not result["complete"]:
+        out.print("[yellow]some merged runs were stopped before their last prompt (\"complete\": false)[/]")
+    machines: dict[str, list[str]] = {}  # parts may come from other machines: each CPU with its categories
+    for cat, r in result["categories"].items():
+        cpu = r["cpu"]
+        machines.setdefault(f"{cpu['model']} · {cpu['threads']} threads · {' '.join(cpu['flags'])}", []).append(cat)
+    for line, cats in machines.items():
+        out.print(f"CPU: {line}" + (f" ({', '.join(cats)})" if len(machines) > 1 else ""))
 
 
 def _category_table(result: dict, model: str, backend: str, max_new_tokens: int):

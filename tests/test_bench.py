@@ -78,5 +78,19 @@ def test_bench_all_categories_in_one_run(tmp_path):
         (qid, toks), = result["vanilla_outputs"].items()
         assert int(qid) == next(i for i, (c, _) in enumerate(rows) if c == cat) and 0 < len(toks) <= 8
     assert "all categories" in r.output and "oracle (ceiling)" in r.output
+    # a run split in parts merges into the same table
+    parts = []
+    for cat in ("qa", "summarization"):
+        part = tmp_path / f"{cat}.json"
+        part.write_text(json.dumps({**res, "category": cat, "categories": {cat: res["categories"][cat]}}))
+        parts.append(str(part))
+    merged = tmp_path / "merged.json"
+    m = CliRunner().invoke(app, ["bench", "--merge", parts[0], "--merge", parts[1], "--json", str(merged)])
+    assert m.exit_code == 0, m.output
+    both = json.loads(merged.read_text())
+    assert both["table"] == {c: res["table"][c] for c in ("qa", "summarization")} and both["complete"] is True
+    assert "qa" in m.output and "CPU:" in m.output
+    dup = CliRunner().invoke(app, ["bench", "--merge", parts[0], "--merge", parts[0]])
+    assert dup.exit_code != 0 and "category 'qa' is in more than one" in dup.output
     bad = CliRunner().invoke(app, ["bench", "--prompts", str(prompts), "--category", "all", "--limit", "0"])
     assert bad.exit_code != 0 and "--limit must be at least 1" in bad.output

@@ -96,6 +96,28 @@ def run_categories(model, tokenizer, rows: list[dict], methods: list[str], max_n
     return out
 
 
+def merge_categories(results: list[dict]) -> dict:
+    """One `all`-style result from the JSONs of runs that each covered some categories (`--category a,b`, one
+    category, or `all`), so a run too long for one sitting can be done in parts. The runs must agree on the
+    model and `max_new_tokens`; a category measured twice is an error (which one to keep is not ours to say)."""
+    out = {"model": None, "category": "merged", "max_new_tokens": None, "complete": True, "categories": {},
+           "parts": []}
+    for r in results:
+        cats = r["categories"] if "categories" in r else {r["category"]: r}
+        for key in ("model", "max_new_tokens"):
+            if out[key] is not None and r.get(key) != out[key]:
+                raise RagspecError(f"cannot merge runs with different {key}: {out[key]!r} and {r.get(key)!r}")
+            out[key] = r.get(key)
+        for cat, one in cats.items():
+            if cat in out["categories"]:
+                raise RagspecError(f"category '{cat}' is in more than one of the merged runs")
+            out["categories"][cat] = one
+        out["complete"] = out["complete"] and bool(r.get("complete"))
+        out["parts"].append({"category": r.get("category"), "categories": list(cats), "complete": r.get("complete")})
+    out["table"] = category_table(out)
+    return out
+
+
 def category_table(result: dict) -> dict:
     """{category: {method: {"speedup", "mean_accepted", "of_ceiling", "identical", "prompts"}}} of an `all` run."""
     table = {}
