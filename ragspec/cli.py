@@ -491,6 +491,70 @@ def eval_answers(
     _run(body)
 
 
+@app.command("bench-replay")
+def bench_replay(
+    result_path: Path = typer.Argument(..., metavar="RESULT", help="a `ragspec bench --json` result (or a merge)"),
+    prompts: Path = typer.Option(Path("../shared/data/spec_bench/question.jsonl"), "--prompts"),
+    methods: str = typer.Option("pld,suffix,auto,oracle", "--methods", help="replayable: none, pld, trie, suffix, "
+                                "auto, oracle"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the replay JSON here"),
+):
+    """Replay drafters over a bench run's recorded greedy outputs, without the model: tokens per step and the
+    decode speed-up modelled from that run's t(n), beside what the run measured (tune here, confirm with bench)."""
+
+    def body():
+        _quiet_libraries()
+        from rich.console import Console
+        from rich.table import Table
+        from transformers import AutoTokenizer
+
+        from ragspec.bench.replay import replay_result
+        from ragspec.console import progress
+        from ragspec.models.generator import generator_source
+
+        try:
+            result = json.loads(result_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise RagspecError(f"cannot read bench result {result_path}: {e}") from e
+        if not prompts.exists():
+            raise RagspecError(f"{prompts} does not exist")
+        rows = {}
+        with open(prompts, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    obj = json.loads(line)
+                    rows[str(obj.get("question_id"))] = obj
+        chosen = [m.strip() for m in methods.split(",") if m.strip()]
+        tok = AutoTokenizer.from_pretrained(generator_source(result.get("model") or "qwen2.5-coder-0.5b-instruct"))
+        cats = result["categories"] if "categories" in result else {result.get("category"): result}
+        total = sum(len(r.get("vanilla_outputs") or {}) for r in cats.values()) * len(chosen)
+        if not total:
+            raise RagspecError(f"{result_path} keeps no vanilla outputs (a run from before they were recorded)")
+        if not any(r.get("cost_model") for r in cats.values()):
+            raise RagspecError(f"{result_path} was run with a fixed --budget: it measured no t(n) to model steps with")
+        with progress() as bar:
+            task = bar.add_task("replaying", total=total)
+            out = replay_result(result, rows, tok, chosen, progress=lambda: bar.advance(task))
+        if json_out:
+            _write_json_atomic(json_out, out)
+        t = Table(title=f"replay of {result_path.name}: modelled decode speed-up (tokens/step), measured beside")
+        t.add_column("category", justify="left")
+        for m in chosen:
+            t.add_column(m, justify="right")
+        for cat, row in out["categories"].items():
+            cells = []
+            for m in chosen:
+                v = row[m]
+                cell = f"{v['decode_speedup_model']:.2f}× ({v['tokens_per_step']:.2f})"
+                if v["measured_decode_speedup"] is not None:
+                    cell += f" · ran {v['measured_decode_speedup']:.2f}× ({v['measured_tokens_per_step'] or 1:.2f})"
+                cells.append(cell)
+            t.add_row(cat, *cells)
+        Console(width=None if sys.stdout.isatty() else 200).print(t)
+
+    _run(body)
+
+
 @app.command("bench-search")
 def bench_search(
     index_path: Path = typer.Argument(..., metavar="INDEX"),

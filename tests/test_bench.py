@@ -94,3 +94,46 @@ def test_bench_all_categories_in_one_run(tmp_path):
     assert dup.exit_code != 0 and "category 'qa' is in more than one" in dup.output
     bad = CliRunner().invoke(app, ["bench", "--prompts", str(prompts), "--category", "all", "--limit", "0"])
     assert bad.exit_code != 0 and "--limit must be at least 1" in bad.output
+
+
+def test_bench_replay_over_recorded_outputs(tmp_path):
+    """`bench-replay`: drafters replayed over a run's recorded greedy outputs with its t(n), no model loaded.
+    Plain steps model 1.0×; a verbatim copy of the prompt drafts long; the oracle is the most any can get."""
+    from transformers import AutoTokenizer
+
+    from ragspec.bench.decoding import chat_ids
+    from ragspec.bench.replay import replay_result
+    from ragspec.models.generator import generator_source
+
+    tok = AutoTokenizer.from_pretrained(generator_source("smollm2-135m-instruct"))
+    text = ("Summarize: The Danube flows through ten countries. It rises in the Black Forest and ends in the "
+            "Black Sea, more than any other river in Europe.")
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text(json.dumps({"question_id": 7, "category": "summarization", "turns": [text]}) + "\n")
+    copy = tok("The Danube flows through ten countries. It rises in the Black Forest and ends in the Black Sea.",
+               add_special_tokens=False)["input_ids"]
+    cost = {"sizes": [1, 2, 4, 8, 16, 32], "ms": [100.0, 104.0, 110.0, 125.0, 160.0, 240.0]}
+    run = {"model": "smollm2-135m-instruct", "category": "summarization", "max_new_tokens": 64, "cost_model": cost,
+           "methods": {"vanilla": {"decode_tokens_per_s": 10.0}, "suffix": {"decode_tokens_per_s": 25.0,
+                                                                             "mean_accepted": 4.0}},
+           "vanilla_outputs": {"7": copy}}
+    assert chat_ids(tok, text)  # the prompt the replay rebuilds
+    out = replay_result(run, {"7": json.loads(prompts.read_text())}, tok, ["none", "suffix", "oracle"])
+    rows = out["categories"]["summarization"]
+    assert rows["none"]["tokens_per_step"] == 1.0 and rows["none"]["decode_speedup_model"] == 1.0
+    assert rows["suffix"]["tokens_per_step"] > 2 and rows["suffix"]["decode_speedup_model"] > 1.5
+    assert rows["oracle"]["tokens_per_step"] >= rows["suffix"]["tokens_per_step"]
+    assert rows["suffix"]["measured_decode_speedup"] == 2.5 and rows["none"]["measured_decode_speedup"] is None
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(run))
+    r = CliRunner().invoke(app, ["bench-replay", str(saved), "--prompts", str(prompts), "--methods", "suffix,oracle",
+                                 "--json", str(tmp_path / "replay.json")])
+    assert r.exit_code == 0, r.output
+    again = json.loads((tmp_path / "replay.json").read_text())["categories"]["summarization"]["suffix"]
+    same = ("tokens_per_step", "nodes_per_step", "decode_speedup_model")  # deterministic (draft ms is a timing)
+    assert {k: again[k] for k in same} == {k: rows["suffix"][k] for k in same}
+    bad = CliRunner().invoke(app, ["bench-replay", str(saved), "--prompts", str(prompts), "--methods", "lookahead"])
+    assert bad.exit_code != 0 and "cannot replay lookahead without the model" in bad.output
+    saved.write_text(json.dumps({**run, "cost_model": None}))
+    fixed = CliRunner().invoke(app, ["bench-replay", str(saved), "--prompts", str(prompts)])
+    assert fixed.exit_code != 0 and "fixed --budget" in fixed.output

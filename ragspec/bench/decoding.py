@@ -259,6 +259,7 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
     divergences = defaultdict(list)
     identical = defaultdict(int)
     outputs: dict[str, list[int]] = {}  # vanilla's tokens per prompt: greedy's reference, for bench.replay
+    per_prompt: list[dict] = []  # each prompt's time and tokens per method: a noisy prompt can be seen
     head = {"model": model_name, "category": category, "max_new_tokens": max_new_tokens,
             "budget": budget if isinstance(budget, int) else "auto", "cost_model": cost.as_dict() if cost else None,
             "cpu": cpu_info(), "machine": machine_info(), "device": str(getattr(model, "device", "cpu")),
@@ -266,16 +267,18 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
 
     def summary(done: int) -> dict:
         return {**_summarize(acc, hist, divergences, identical, memory, methods, done, len(prompts), head),
-                "vanilla_outputs": dict(outputs)}
+                "per_prompt": list(per_prompt), "vanilla_outputs": dict(outputs)}
 
     for n, row in enumerate(prompts):
         prompt = chat_ids(tokenizer, row["turns"][0])
         pre = prefill_ms(model, prompt)
         ref = None
+        times = {"prompt": row.get("question_id", n), "prefill_ms": round(pre, 1)}
         for m in methods:
             if m == CEILING:
                 drafters[m].reference = list(ref)
             toks, total_ms, stats = _run_one(m, model, tokenizer, prompt, max_new_tokens, eos, drafters, budgets)
+            times[m] = {"ms": round(total_ms, 1), "tokens": len(toks), "steps": stats["steps"] if stats else None}
             if m == "vanilla":
                 ref = toks
                 outputs[str(row.get("question_id", n))] = list(toks)
@@ -301,6 +304,7 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
                 divergences[m].append({"prompt": row.get("question_id", n), "position": pos,
                                        "top2_margin": round(margin, 6),
                                        "verdict": "tie" if margin < 1e-4 else ("bug" if margin > 1e-3 else "unclear")})
+        per_prompt.append(times)
         if on_prompt:
             on_prompt(summary(n + 1))
         if progress:

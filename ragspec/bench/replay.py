@@ -92,3 +92,60 @@ def _settle(budget, pending, generated, final):
             node = nxt
         budget.observe_proposal(full, path)
     return keep
+
+
+REPLAYABLE = ("none", "pld", "trie", "suffix", "auto", "oracle")  # drafters that need no model to propose
+
+
+def replay_result(result: dict, prompts: dict, tokenizer, methods: list[str], params: dict | None = None,
+                  progress=None) -> dict:
+    """Replay `methods` over the recorded vanilla outputs of a `ragspec bench` result (one category or several),
+    with that run's own t(n): per category and method the tokens per step, nodes per step and the modelled
+    decode speed-up over plain steps (Σ t(1) over Σ t(1 + tree)), beside the run's measured decode speed-up
+    when it ran that method. `prompts` maps question_id (str) → prompt row; `params` → drafter settings per
+    method. One drafter and one budget per category and method, as in the bench (the budget learns across the
+    category's prompts)."""
+    from ragspec.bench.decoding import chat_ids
+    from ragspec.decoding.drafters import make_drafter
+
+    bad = [m for m in methods if m not in REPLAYABLE]
+    if bad:
+        from ragspec.errors import RagspecError
+
+        raise RagspecError(f"cannot replay {', '.join(bad)} without the model (replayable: {', '.join(REPLAYABLE)})")
+    cats = result["categories"] if "categories" in result else {result["category"]: result}
+    out = {"model": result.get("model"), "max_new_tokens": result.get("max_new_tokens"), "categories": {}}
+    for cat, r in cats.items():
+        recorded = r.get("vanilla_outputs") or {}
+        if not recorded or not r.get("cost_model"):
+            continue  # an older result (no outputs kept) or a fixed budget (no t(n) measured)
+        cost = CostModel(**r["cost_model"])
+        max_new = r.get("max_new_tokens") or result.get("max_new_tokens") or 128
+        rows = {}
+        for m in methods:
+            drafter = make_drafter(m, **(params or {}).get(m, {}))
+            budget = 256 if m == "oracle" else AdaptiveBudget(cost)
+            if m == "oracle":
+                drafter.cost = cost
+            total = Replay()
+            for qid, output in recorded.items():
+                if qid not in prompts:
+                    continue
+                if m == "oracle":
+                    drafter.reference = list(output)
+                total.add(replay(drafter, budget, cost, chat_ids(tokenizer, prompts[qid]["turns"][0]), output,
+                                 max_new))
+                if progress:
+                    progress()
+            plain_ms = total.tokens * cost.time(1)
+            measured = r.get("methods", {}).get(m)
+            van = r.get("methods", {}).get("vanilla")
+            rows[m] = {"prompts": len(recorded), "tokens_per_step": round(total.tokens / max(total.steps, 1), 3),
+                       "nodes_per_step": round(total.nodes / max(total.steps, 1), 2),
+                       "decode_speedup_model": round(plain_ms / total.model_ms, 3) if total.model_ms else None,
+                       "draft_ms_per_step": round(total.draft_ms / max(total.steps, 1), 3),
+                       "measured_tokens_per_step": measured.get("mean_accepted") if measured else None,
+                       "measured_decode_speedup": round(measured["decode_tokens_per_s"] / van["decode_tokens_per_s"], 3)
+                       if measured and van else None}
+        out["categories"][cat] = rows
+    return out
