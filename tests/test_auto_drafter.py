@@ -106,14 +106,7 @@ def test_auto_learns_a_bad_part_does_not_pay():
     budget = AdaptiveBudget(FLAT)
     tree = auto.propose(state, 64)
     for _ in range(40):
-        path, node = [], -1
-        for tok in list(range(105, 130)):
-            nxt = tree.child(node, tok)
-            if nxt is None:
-                break
-            path.append(nxt)
-            node = nxt
-        budget.observe_proposal(tree, path)
+        budget.observe_proposal(tree, tree.follow(range(105, 130)))
     chosen = budget.select(tree)
     assert chosen.tokens[:5] == list(range(105, 110))
     assert all(g < PART_GROUPS for g in chosen.groups)  # no garbage node is worth verifying any more

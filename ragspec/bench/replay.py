@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ragspec.decoding.budget import AdaptiveBudget, CostModel
+from ragspec.decoding.budget import AdaptiveBudget, CostModel, settle
 from ragspec.decoding.drafters.base import DraftState
 
 
@@ -51,12 +51,7 @@ def replay(drafter, budget, cost: CostModel, prompt: list[int], output: list[int
         full = drafter.propose(state, max(0, min(cap, remaining - 1)))
         tree = budget.select(full) if adaptive else full.truncated(max(0, cap))
         out.draft_ms += (time.perf_counter() - t) * 1000
-        node, j = -1, done
-        while j < len(output):
-            nxt = tree.child(node, output[j])
-            if nxt is None:
-                break
-            node, j = nxt, j + 1
+        j = done + len(tree.follow(output[done:]))
         new = output[done : min(j + 1, len(output), done + remaining)]
         out.steps += 1
         out.nodes += len(tree)
@@ -69,29 +64,12 @@ def replay(drafter, budget, cost: CostModel, prompt: list[int], output: list[int
         t = time.perf_counter()
         drafter.update(state, new)
         if adaptive:
-            pending = _settle(budget, pending, output[:done], final=False)
+            pending = settle(budget, pending, output[:done], final=False)
         out.draft_ms += (time.perf_counter() - t) * 1000
     if adaptive:
-        _settle(budget, pending, output[:done], final=True)
+        settle(budget, pending, output[:done], final=True)
     out.tokens = done
     return out
-
-
-def _settle(budget, pending, generated, final):
-    keep = []
-    for full, start in pending:
-        if not final and len(generated) - start <= full.max_depth():
-            keep.append((full, start))
-            continue
-        node, path = -1, []
-        for tok in generated[start:]:
-            nxt = full.child(node, tok)
-            if nxt is None:
-                break
-            path.append(nxt)
-            node = nxt
-        budget.observe_proposal(full, path)
-    return keep
 
 
 REPLAYABLE = ("none", "pld", "trie", "suffix", "auto", "oracle")  # drafters that need no model to propose

@@ -203,3 +203,16 @@ class AdaptiveBudget:
         a = self.alpha
         for r in range(min(offered, self.max_nodes)):
             self.rates[r] = (1 - a) * self.rates[r] + a * (1.0 if r in hit else 0.0)
+
+
+def settle(budget, pending: list, generated: list[int], final: bool) -> list:
+    """Teach `budget` from proposals (tree, output length when proposed) whose depth the output has now passed
+    (or all of them, `final`): the nodes on the path the output followed were accepted, the others missed.
+    Returns the proposals still waiting. Shared by the generator and `bench.replay`, so both learn alike."""
+    keep = []
+    for full, start in pending:
+        if not final and len(generated) - start <= full.max_depth():
+            keep.append((full, start))
+            continue
+        budget.observe_proposal(full, full.follow(generated[start:]))
+    return keep

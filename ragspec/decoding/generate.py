@@ -10,7 +10,7 @@ from typing import Iterator
 
 from ragspec.decoding.backends import make_backend
 from ragspec.decoding.backends.base import check_cancel
-from ragspec.decoding.budget import AdaptiveBudget
+from ragspec.decoding.budget import AdaptiveBudget, settle
 from ragspec.decoding.drafters.base import DraftState, Drafter, NoDraft, Segment
 from ragspec.decoding.tree import DraftTree
 from ragspec.decoding.sampling import SamplingSettings
@@ -148,7 +148,7 @@ class SpeculativeGenerator:
             self.tokens.extend(toks)
             state.tokens.extend(toks)
             if adaptive:
-                pending = self._settle(pending, final=False)
+                pending = settle(self.budget, pending, self.tokens, final=False)
             state.tree, state.predictions = tree, res.predictions
             t = time.perf_counter()
             self.drafter.update(state, toks)
@@ -177,7 +177,7 @@ class SpeculativeGenerator:
                 stats.finish_reason = finish
                 break
         if isinstance(self.budget, AdaptiveBudget):
-            self._settle(pending, final=True)
+            settle(self.budget, pending, self.tokens, final=True)
         if stats.finish_reason != "stop":
             tail = held + decoder.flush()
             if self.stop_strings:
@@ -188,25 +188,6 @@ class SpeculativeGenerator:
             if tail or held_tokens:
                 yield Delta(tail, held_tokens, held_sources)
         stats.decode_ms = (time.perf_counter() - t_decode) * 1000
-
-
-    def _settle(self, pending: list, final: bool) -> list:
-        """Score proposals whose depth the output has now passed (or all, at the end): the ranks of the nodes
-        on the path the output followed were accepted, every other rank was a miss."""
-        keep = []
-        for full, start in pending:
-            if not final and len(self.tokens) - start <= full.max_depth():
-                keep.append((full, start))
-                continue
-            node, path = -1, []
-            for tok in self.tokens[start:]:
-                nxt = full.child(node, tok)
-                if nxt is None:
-                    break
-                path.append(nxt)
-                node = nxt
-            self.budget.observe_proposal(full, path)
-        return keep
 
 
 def _find_stop(text: str, stops) -> int | None:

@@ -71,6 +71,17 @@ class DraftTree:
             node = nxt
         return len(tokens)
 
+    def follow(self, tokens) -> list[int]:
+        """The nodes of the longest root path that spells a prefix of `tokens` (what greedy acceptance keeps
+        when `tokens` is the model's output)."""
+        out, node = [], -1
+        for tok in tokens:
+            node = self.child(node, tok)
+            if node is None:
+                break
+            out.append(node)
+        return out
+
     def path(self, node: int) -> list[int]:
         """Node indices from the root's child down to `node`."""
         out = []

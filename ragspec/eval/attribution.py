@@ -62,13 +62,7 @@ def teacher_forced_sources(drafter, prompt_ids, answer_ids, segments, hidden=Non
         if hidden is not None:
             state.hidden = hidden[: len(state.tokens) - 1]
         tree = drafter.propose(state, 64)
-        node, path = -1, []
-        while i + len(path) < len(answer_ids):
-            nxt = tree.child(node, answer_ids[i + len(path)])
-            if nxt is None:
-                break
-            path.append(nxt)
-            node = nxt
+        path = tree.follow(answer_ids[i:])
         new = [tree.tokens[n] for n in path]
         out += [tree.sources[n] for n in path]
         if i + len(path) < len(answer_ids):  # the bonus token, made by the model
