@@ -699,7 +699,7 @@ def _merge_runs(paths: list[str], json_out: Optional[Path]) -> None:
     out = Console(width=None if sys.stdout.isatty() else 200)
     out.print(_category_table(result, result["model"], first.get("backend", "transformers"), result["max_new_tokens"]))
     if not result["complete"]:
-        out.print("[yellow]some merged runs were stopped before their last prompt (\"complete\": false)[/]")
+        out.print("[yellow]some merged categories were stopped before their last prompt (\"complete\": false)[/]")
     machines: dict[str, list[str]] = {}  # parts may come from other machines: each CPU with its categories
     for cat, r in result["categories"].items():
         cpu = r["cpu"]

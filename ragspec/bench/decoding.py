@@ -99,7 +99,8 @@ def run_categories(model, tokenizer, rows: list[dict], methods: list[str], max_n
 def merge_categories(results: list[dict]) -> dict:
     """One `all`-style result from the JSONs of runs that each covered some categories (`--category a,b`, one
     category, or `all`), so a run too long for one sitting can be done in parts. The runs must agree on the
-    model and `max_new_tokens`; a category measured twice is an error (which one to keep is not ours to say)."""
+    model and `max_new_tokens`; a category measured twice is an error (which one to keep is not ours to say).
+    "complete" is true when every merged category ran all its prompts."""
     out = {"model": None, "category": "merged", "max_new_tokens": None, "complete": True, "categories": {},
            "parts": []}
     for r in results:
@@ -112,7 +113,8 @@ def merge_categories(results: list[dict]) -> dict:
             if cat in out["categories"]:
                 raise RagspecError(f"category '{cat}' is in more than one of the merged runs")
             out["categories"][cat] = one
-        out["complete"] = out["complete"] and bool(r.get("complete"))
+        # a part stopped between categories is whole for the categories it finished: each says so itself
+        out["complete"] = out["complete"] and all(one.get("complete") for one in cats.values())
         out["parts"].append({"category": r.get("category"), "categories": list(cats), "complete": r.get("complete")})
     out["table"] = category_table(out)
     return out
