@@ -535,6 +535,8 @@ def bench_replay(
         with progress() as bar:
             task = bar.add_task("replaying", total=total)
             out = replay_result(result, rows, tok, chosen, progress=lambda: bar.advance(task))
+        if not out["categories"]:
+            raise RagspecError(f"none of the prompts recorded in {result_path} is in {prompts} (another prompts file?)")
         if json_out:
             _write_json_atomic(json_out, out)
         t = Table(title=f"replay of {result_path.name}: modelled decode speed-up (tokens/step), measured beside")

@@ -134,6 +134,10 @@ def test_bench_replay_over_recorded_outputs(tmp_path):
     assert {k: again[k] for k in same} == {k: rows["suffix"][k] for k in same}
     bad = CliRunner().invoke(app, ["bench-replay", str(saved), "--prompts", str(prompts), "--methods", "lookahead"])
     assert bad.exit_code != 0 and "cannot replay lookahead without the model" in bad.output
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"question_id": 8, "category": "qa", "turns": ["Who?"]}) + "\n")
+    lost = CliRunner().invoke(app, ["bench-replay", str(saved), "--prompts", str(other)])
+    assert lost.exit_code != 0 and "none of the prompts recorded" in lost.output
     saved.write_text(json.dumps({**run, "cost_model": None}))
     fixed = CliRunner().invoke(app, ["bench-replay", str(saved), "--prompts", str(prompts)])
     assert fixed.exit_code != 0 and "fixed --budget" in fixed.output

@@ -105,10 +105,11 @@ def replay_result(result: dict, prompts: dict, tokenizer, methods: list[str], pa
             budget = 256 if m == "oracle" else AdaptiveBudget(cost)
             if m == "oracle":
                 drafter.cost = cost
-            total = Replay()
+            total, replayed = Replay(), 0
             for qid, output in recorded.items():
                 if qid not in prompts:
                     continue
+                replayed += 1
                 if m == "oracle":
                     drafter.reference = list(output)
                 total.add(replay(drafter, budget, cost, chat_ids(tokenizer, prompts[qid]["turns"][0]), output,
@@ -118,12 +119,15 @@ def replay_result(result: dict, prompts: dict, tokenizer, methods: list[str], pa
             plain_ms = total.tokens * cost.time(1)
             measured = r.get("methods", {}).get(m)
             van = r.get("methods", {}).get("vanilla")
-            rows[m] = {"prompts": len(recorded), "tokens_per_step": round(total.tokens / max(total.steps, 1), 3),
+            if not replayed:
+                break  # none of this category's prompts is in the prompts file
+            rows[m] = {"prompts": replayed, "tokens_per_step": round(total.tokens / max(total.steps, 1), 3),
                        "nodes_per_step": round(total.nodes / max(total.steps, 1), 2),
                        "decode_speedup_model": round(plain_ms / total.model_ms, 3) if total.model_ms else None,
                        "draft_ms_per_step": round(total.draft_ms / max(total.steps, 1), 3),
                        "measured_tokens_per_step": measured.get("mean_accepted") if measured else None,
                        "measured_decode_speedup": round(measured["decode_tokens_per_s"] / van["decode_tokens_per_s"], 3)
                        if measured and van else None}
-        out["categories"][cat] = rows
+        if rows:
+            out["categories"][cat] = rows
     return out
