@@ -704,10 +704,9 @@ def _merge_runs(paths: list[str], json_out: Optional[Path]) -> None:
         out.print("[yellow]some merged categories were stopped before their last prompt (\"complete\": false)[/]")
     machines: dict[str, list[str]] = {}  # parts may come from other machines: each CPU with its categories
     for cat, r in result["categories"].items():
-        cpu = r["cpu"]
-        machines.setdefault(f"{cpu['model']} · {cpu['threads']} threads · {' '.join(cpu['flags'])}", []).append(cat)
+        machines.setdefault(_cpu_line(r["cpu"]), []).append(cat)
     for line, cats in machines.items():
-        out.print(f"CPU: {line}" + (f" ({', '.join(cats)})" if len(machines) > 1 else ""))
+        out.print(line + (f" ({', '.join(cats)})" if len(machines) > 1 else ""))
 
 
 def _category_table(result: dict, model: str, backend: str, max_new_tokens: int):
@@ -732,9 +731,12 @@ def _category_table(result: dict, model: str, backend: str, max_new_tokens: int)
     return t
 
 
+def _cpu_line(cpu: dict) -> str:
+    return f"CPU: {cpu['model']} · {cpu['threads']} threads · {' '.join(cpu['flags'])}"
+
+
 def _print_machine(out, result: dict) -> None:
-    cpu = result["cpu"]
-    out.print(f"CPU: {cpu['model']} · {cpu['threads']} threads · {' '.join(cpu['flags'])}")
+    out.print(_cpu_line(result["cpu"]))
     mm = result["machine"]["matmul_gflops"]
     out.print("matmul ceilings (GFLOP/s): " + " · ".join(f"{k} {mm[k]}" for k in ("float32", "bfloat16", "int8")
                                                          if k in mm))

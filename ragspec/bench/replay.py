@@ -99,6 +99,7 @@ def replay_result(result: dict, prompts: dict, tokenizer, methods: list[str], pa
             continue  # an older result (no outputs kept) or a fixed budget (no t(n) measured)
         cost = CostModel(**r["cost_model"])
         max_new = r.get("max_new_tokens") or result.get("max_new_tokens") or 128
+        ids = {qid: chat_ids(tokenizer, prompts[qid]["turns"][0]) for qid in recorded if qid in prompts}
         rows = {}
         for m in methods:
             drafter = make_drafter(m, **(params or {}).get(m, {}))
@@ -107,13 +108,12 @@ def replay_result(result: dict, prompts: dict, tokenizer, methods: list[str], pa
                 drafter.cost = cost
             total, replayed = Replay(), 0
             for qid, output in recorded.items():
-                if qid not in prompts:
+                if qid not in ids:
                     continue
                 replayed += 1
                 if m == "oracle":
                     drafter.reference = list(output)
-                total.add(replay(drafter, budget, cost, chat_ids(tokenizer, prompts[qid]["turns"][0]), output,
-                                 max_new))
+                total.add(replay(drafter, budget, cost, ids[qid], output, max_new))
                 if progress:
                     progress()
             plain_ms = total.tokens * cost.time(1)
