@@ -68,6 +68,13 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype or not x.is_contiguous():
             x = x.to(self.dtype).contiguous()
+        if self.dtype == torch.bfloat16 and x.numel() == x.shape[-1]:
+            # one row: oneDNN's bf16 kernel for a single row may sum in another order than for several (seen
+            # on AVX512_BF16, Zen 4), so a token decoded alone would get other bits than the same token verified
+            # in a batch. Run it as two rows (same cost: the weight is read once) and keep the first.
+            two = x.reshape(1, -1).expand(2, -1).contiguous()
+            y = torch.ops.mkldnn._linear_pointwise(two, self.packed, self.bias, "none", [], "")[:1]
+            return y.reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
