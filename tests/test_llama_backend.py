@@ -235,6 +235,11 @@ def test_sampling_follows_the_model_distribution(llama, cases):
     t = DraftTree()
     for tok in (top[1], top[3], 7):  # the second and fourth most likely tokens and one the sampler never picks
         t.add(-1, tok)
+    # llama.cpp's logits move in the last bits with the batch, so a step may keep either of two tokens tied at
+    # the top-k edge (a Zen 4: the 5th and 6th logits 0.03 apart swapped): such near-ties count as one bucket
+    raw = torch.from_numpy(b.score(DraftTree())[0])
+    fifth = float(torch.topk(raw, 5).values[-1])
+    edge = {int(i) for i in torch.nonzero((raw - fifth).abs() < 0.1).flatten()}
     n = 300
     counts: Counter = Counter()
     for _ in range(n):
@@ -242,9 +247,13 @@ def test_sampling_follows_the_model_distribution(llama, cases):
         counts[r.tokens[0]] += 1
         model.lc.llama_memory_seq_rm(model.mem, 0, cached, -1)  # back to the prompt for the next sample
         b.cached, b.root = cached, root
-    assert set(counts) <= set(top)
-    tv = 0.5 * sum(abs(counts[k] / n - float(p[k])) for k in top)
-    assert tv < 0.1, (tv, counts, [float(p[k]) for k in top])
+    assert set(counts) <= set(top) | edge
+    bucket = lambda k: -1 if k in edge else k  # noqa: E731
+    obs, exp = Counter(bucket(k) for k in counts.elements()), Counter()
+    for k in top:
+        exp[bucket(k)] += float(p[k])
+    tv = 0.5 * sum(abs(obs[k] / n - exp[k]) for k in set(obs) | set(exp))
+    assert tv < 0.1, (tv, counts, [float(p[k]) for k in top], edge)
 
 
 @needs_llama
