@@ -233,3 +233,32 @@ def test_attention_row_covers_the_cache(smol, cases):
     assert v.attention_row().shape[0] == v.cached == len(prompt)
     assert model.config._attn_implementation != "eager"  # eager only inside the step
     v.close()
+
+
+def test_tree_steps_read_grouped_heads_in_place(smol, cases):
+    """On CPU a loaded model runs `ragspec_sdpa` (models/tree_attention.py): a masked tree step reads the
+    grouped key/value heads without copying them, and scores every row as transformers' own `sdpa` does."""
+    from ragspec.decoding.backends.transformers import TransformersBackend
+
+    model, _ = smol
+    assert model.config._attn_implementation == "ragspec_sdpa"
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped heads: the case at hand
+    prompt, ref = cases[1]
+    tree = DraftTree()
+    tree.add_chain(ref[:6])
+    tree.add_chain([ref[0], ref[1] + 1, ref[2]])
+    tree.add_chain([ref[0] + 3])
+    scores = {}
+    for impl in ("ragspec_sdpa", "sdpa"):
+        model.set_attn_implementation(impl)
+        try:
+            backend = TransformersBackend(model)
+            backend.prefill(prompt[:-1] + [prompt[-1]])
+            backend.step(DraftTree())  # past the prefill's cached root: the next step runs [root + tree]
+            scores[impl] = backend.score(tree)
+        finally:
+            model.set_attn_implementation("ragspec_sdpa")
+    ours, theirs = scores["ragspec_sdpa"], scores["sdpa"]
+    assert ours.shape == (1 + len(tree), model.config.vocab_size)
+    assert torch.allclose(ours, theirs, atol=1e-3, rtol=0)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))

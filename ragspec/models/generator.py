@@ -68,6 +68,10 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
         from ragspec.models.exact_attention import use_exact_attention
 
         use_exact_attention(model)  # rounding amplifies attention's batch-dependent ulps: see the module
+    elif device == "cpu":
+        from ragspec.models.tree_attention import use_tree_attention
+
+        use_tree_attention(model)  # tree steps read grouped key/value heads in place: see the module
     return model, tokenizer
 
 
