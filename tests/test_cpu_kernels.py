@@ -188,6 +188,12 @@ def test_cost_key_names_the_numerics(smol):
     finally:
         model.ragspec_int8 = marker
     assert "-float32-" in as_fp32 and key == f"{as_fp32}-int8-{marker}"
+    model.config._attn_implementation = "sdpa"  # the attention kernel is named unless it is transformers' sdpa
+    try:
+        assert TransformersBackend.cost_key(model) == key.replace("-ragspec_exact", "")
+    finally:
+        model.config._attn_implementation = "ragspec_exact"
+    assert "-packed-ragspec_exact-int8-" in key
 
 
 def test_int8_is_cpu_only_and_bad_names_are_one_line():
