@@ -1,8 +1,9 @@
 """CPU kernel figures for `generator.dtype`: GEMM throughput and a model's prefill / verify cost per dtype.
 
 `python -m ragspec.bench.kernels [--model qwen2.5-coder-0.5b-instruct] [--dtypes float32,bfloat16,int8]
-[--threads 2] [--prompt-tokens 1000] [--rounds 3] [--json out.json]` — run it alone on the machine (timings).
-RAGSPEC_EXACT_ATTENTION=0 measures bf16/int8 with PyTorch's attention instead (not identical to vanilla).
+[--threads 2] [--prompt-tokens 1000] [--rounds 3] [--attention sdpa] [--json out.json]` — run it alone on the
+machine (timings). RAGSPEC_EXACT_ATTENTION=0 measures bf16/int8 with PyTorch's attention instead (not identical
+to vanilla); `--attention sdpa` adds float32 rows under transformers' own attention, beside ragspec's default.
 """
 
 from __future__ import annotations
@@ -51,15 +52,22 @@ def gemm_rates(m: int = 1024, k: int = 896, n: int = 4864, reps: int = 3) -> dic
 
 
 def model_costs(name: str, dtypes: list[str], prompt_tokens: int, rounds: int = 3, sizes=(1, 8, 16),
-                reps: int = 3) -> list[dict]:
+                reps: int = 3, attention: tuple[str, ...] = ()) -> list[dict]:
     """Per dtype: prefill tok/s of a `prompt_tokens` prompt, then t(n) ms, a forward of n tokens over that cache.
     The models load once and are measured in turns, `rounds` times; each figure is the median over rounds (a
-    shared machine's noise hits every dtype alike)."""
+    shared machine's noise hits every dtype alike). `attention`: more float32 rows, the same model run under
+    each named attention implementation (e.g. transformers' `sdpa` beside ragspec's `ragspec_sdpa`)."""
     from transformers import DynamicCache
 
     from ragspec.models.generator import load_generator
 
     models = {dt: load_generator(name, "cpu", dt)[0] for dt in dtypes}
+    kernels = {dt: models[dt].config._attn_implementation for dt in dtypes}
+    if attention:
+        fp32 = models.get("float32") or load_generator(name, "cpu", "float32")[0]
+        for impl in attention:
+            models[f"float32/{impl}"], kernels[f"float32/{impl}"] = fp32, impl
+    dtypes = list(models)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 30000, (1, prompt_tokens), generator=gen)
     steps = {n: torch.randint(100, 30000, (1, n), generator=gen) for n in sizes}
@@ -69,6 +77,7 @@ def model_costs(name: str, dtypes: list[str], prompt_tokens: int, rounds: int = 
             model(input_ids=ids[:, :32], logits_to_keep=1)  # warm-up
         for _ in range(rounds):
             for dt, model in models.items():
+                model.set_attn_implementation(kernels[dt])
                 cache = DynamicCache(config=model.config)
                 t = time.perf_counter()
                 model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -83,7 +92,7 @@ def model_costs(name: str, dtypes: list[str], prompt_tokens: int, rounds: int = 
                             layer.values = layer.values[:, :, :prompt_tokens]
 
                     samples[dt].setdefault(f"t({n}) ms", []).append(_median_s(step, reps) * 1000)
-    return [{"dtype": dt, "attention": models[dt].config._attn_implementation,
+    return [{"dtype": dt.split("/")[0], "attention": kernels[dt],
              **{k: sorted(v)[len(v) // 2] for k, v in samples[dt].items()}} for dt in dtypes]
 
 
@@ -97,6 +106,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--attention", default="", help="comma-separated attention implementations to add for float32")
+    p.add_argument("--sizes", default="1,8,16", help="t(n) for these n")
     p.add_argument("--no-gemm", action="store_true")
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -105,7 +116,9 @@ def main(argv=None) -> None:
     if result["gemm_1024x896x4864"]:
         for k, v in result["gemm_1024x896x4864"].items():
             print(f"{k:45s} {'n/a' if v is None else f'{v:7.1f} G(FL)OP/s'}", flush=True)
-    result["models"] = model_costs(args.model, args.dtypes.split(","), args.prompt_tokens, args.rounds)
+    result["models"] = model_costs(args.model, [d for d in args.dtypes.split(",") if d], args.prompt_tokens,
+                                   args.rounds, tuple(int(n) for n in args.sizes.split(",")),
+                                   attention=tuple(a for a in args.attention.split(",") if a))
     for row in result["models"]:
         print(json.dumps(row), flush=True)
     if args.json:
