@@ -424,6 +424,9 @@ def eval_answers(
     model: Optional[str] = typer.Option(None, "--model", help="override generator.model"),
     limit: Optional[int] = typer.Option(None, "--limit", help="the first N records (clapnq folder: N of each file)"),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="override generator.max_new_tokens"),
+    relevance_floor: Optional[str] = typer.Option(None, "--relevance-floor", help="override prompt.relevance_floor "
+                                                  "(auto | off | a cosine): decline when no source is about the "
+                                                  "question"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the result JSON here (rewritten after "
                                             "every record)"),
 ):
@@ -458,6 +461,12 @@ def eval_answers(
             d["generator"]["model"] = model
         if max_new_tokens:
             d["generator"]["max_new_tokens"] = max_new_tokens
+        if relevance_floor is not None:
+            try:
+                d["prompt"]["relevance_floor"] = (relevance_floor if relevance_floor in ("auto", "off")
+                                                  else float(relevance_floor))
+            except ValueError:
+                raise RagspecError(f"--relevance-floor must be auto, off or a cosine, not '{relevance_floor}'") from None
         pipe = Pipeline(load_spec(d), str(retrieve) if retrieve else None)
         with console.status("loading the model…"):
             if retrieve is not None:
@@ -465,6 +474,7 @@ def eval_answers(
             pipe.load()
         meta = {"format": fmt, "data": str(data), "style": pipe.spec.prompt.style,
                 "decline": None if pipe.spec.prompt.system else pipe.decline, "model": pipe.spec.generator.model,
+                "relevance_floor": pipe.relevance_gate.floor if pipe.relevance_gate else None,
                 "drafting": pipe.spec.drafting.method, "max_new_tokens": pipe.spec.generator.max_new_tokens,
                 "sources": "retrieved from " + str(retrieve) if retrieve else "the record's own passages"}
         rows = []

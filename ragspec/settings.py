@@ -75,6 +75,12 @@ class PromptSettings(Strict):
         "the sources answers\"), expected (the sources usually hold the answer; decline only if none says anything "
         "about it); auto: the model's measured best (registry), else last_resort"
     )
+    relevance_floor: Literal["auto", "off"] | float = Field(
+        "off", description="decline without running the model when no two-sentence window of the sources reaches "
+        "this cosine to the question (the embedder's), and otherwise ask for an answer without offering to "
+        "decline; auto: the floor measured for the embedder (registry; none: off). Off by default: a request that "
+        "is not a question about the sources (\"Summarise the notes.\") scores low too"
+    )
     max_context_tokens: int | None = Field(
         None, ge=64, description="prompt budget; default the model's window minus max_new_tokens"
     )
@@ -82,6 +88,13 @@ class PromptSettings(Strict):
         2048, ge=1, description="a longer question is refused in one line before any retrieval or prefill "
         "(a 30,000-token question is minutes of prefill on a CPU)"
     )
+
+    @model_validator(mode="after")
+    def _floor_is_a_cosine(self):
+        f = self.relevance_floor
+        if not isinstance(f, str) and not -1.0 <= f <= 1.0:
+            raise ValueError(f"relevance_floor is a cosine between -1 and 1 (or auto / off), not {f}")
+        return self
 
 
 class GeneratorSettings(Strict):

@@ -249,7 +249,7 @@ def score(rec: QARecord, answer) -> dict:
         "new_tokens": s.new_tokens, "decode_ms": round(s.decode_ms, 1), "ttft_ms": round(s.ttft_ms, 1),
         "prompt_tokens": s.prompt_tokens, "mean_accepted": round(s.mean_accepted, 3),
         "speedup_estimate": None if s.speedup_estimate is None else round(s.speedup_estimate, 3),
-        "finish_reason": s.finish_reason,
+        "finish_reason": s.finish_reason, "relevance": None if s.relevance is None else round(s.relevance, 4),
     }
     if row["citation_coverage"] is not None:
         row["citation_coverage"] = round(row["citation_coverage"], 4)

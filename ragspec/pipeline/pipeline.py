@@ -43,6 +43,7 @@ class Pipeline:
         self._rates: list[float] | None = None  # per-rank draft acceptance learned over this pipeline's answers
         self._calibration = None  # scored drafts' acceptance by confidence, learned likewise
         self._memory = None  # earlier answers the suffix drafter may copy (drafting.memory)
+        self._gate = False  # the relevance gate (prompt.relevance_floor), resolved on first use; None: off
         self.prefix_cache = None  # a decoding.prefix_cache.PrefixStore: follow-ups reuse the KV of shared prefixes
         self.choice = None  # models.machine.Choice: the backend and dtype `load` took, and why
         self._load_lock = threading.RLock()
@@ -148,13 +149,34 @@ class Pipeline:
     def tokenizer(self):
         return self.load()._tokenizer
 
-    def prompt_builder(self, max_new_tokens: int) -> PromptBuilder:
+    def prompt_builder(self, max_new_tokens: int, decline: str | None = None) -> PromptBuilder:
+        """`decline`: the decline phrasing (default `self.decline`; "none" when the relevance gate passed)."""
         p = self.spec.prompt
         budget = p.max_context_tokens
         if budget is None:
             window = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
             budget = window - max_new_tokens if window else None
-        return PromptBuilder(self.tokenizer, p.style, p.system, budget, decline=self.decline)
+        return PromptBuilder(self.tokenizer, p.style, p.system, budget, decline=decline or self.decline)
+
+    @property
+    def relevance_gate(self):
+        """The relevance gate of `prompt.relevance_floor` (`pipeline.relevance`), or None when it is off. It uses
+        the index's embedder, or without an index the default embedder (float32)."""
+        with self._load_lock:
+            if self._gate is False:
+                from ragspec.models.registry import DEFAULT_EMBEDDER
+                from ragspec.pipeline.relevance import resolve_gate
+
+                if self._index_arg is not None:
+                    name = self.retriever.index.manifest["embedder"]["requested"]
+                    self._gate = resolve_gate(self.spec.prompt.relevance_floor, lambda: self.retriever.embedder, name)
+                else:
+                    from ragspec.models.embedder import load_embedder
+
+                    self._gate = resolve_gate(self.spec.prompt.relevance_floor,
+                                              lambda: load_embedder(DEFAULT_EMBEDDER, "cpu", "float32"),
+                                              DEFAULT_EMBEDDER)
+            return self._gate
 
     # -- retrieval -------------------------------------------------------------------------------------------
     def retrieve(self, question: str, filter=None) -> tuple[list[SourceText], float]:
@@ -208,10 +230,31 @@ class Pipeline:
             sources, retrieval_ms = self.retrieve(question, filter)
         else:
             sources, retrieval_ms = as_sources(documents), 0.0
+        decline, relevance = None, None
+        gate = self.relevance_gate if sources and not history else None
+        if gate is not None:
+            relevance = gate.score(question, sources)
+            if not gate.passes(relevance):
+                yield from self._declined(question, sources, retrieval_ms, relevance, t_start)
+                return
+            decline = "none"  # a source is about the question: answer it
         with self._gen_lock:
-            built = self.prompt_builder(max_new).build(question, sources, history, instructions)
+            built = self.prompt_builder(max_new, decline).build(question, sources, history, instructions)
         yield from self._generate(built, question, retrieval_ms, max_new, stop, temperature, t_start, cancel,
-                                  on_progress)
+                                  on_progress, relevance)
+
+    def _declined(self, question: str, sources: list[SourceText], retrieval_ms: float, relevance: float,
+                  t_start: float) -> Iterator[Event]:
+        """The answer when no source reaches the relevance floor: DECLINED, without running the model."""
+        from ragspec.pipeline.declined import DECLINED
+
+        yield SourcesEvent(list(sources), [], retrieval_ms)
+        ttft = (time.perf_counter() - t_start) * 1000
+        yield TextEvent(DECLINED, [], [])
+        stats = AnswerStats(retrieval_ms=retrieval_ms, finish_reason="declined", ttft_ms=ttft, relevance=relevance,
+                            backend=self.choice.backend if self.choice else "",
+                            dtype=self.choice.dtype if self.choice else "")
+        yield DoneEvent(Answer(question, DECLINED, [], list(sources), stats, [], declined=True))
 
     def ask(self, question: str, **kwargs) -> Answer:
         for event in self.stream(question, **kwargs):
@@ -256,7 +299,7 @@ class Pipeline:
 
     def _generate(self, built: BuiltPrompt, question: str, retrieval_ms: float, max_new: int, stop,
                   temperature: float | None, t_start: float | None = None, cancel=None,
-                  on_progress=None) -> Iterator[Event]:
+                  on_progress=None, relevance: float | None = None) -> Iterator[Event]:
         from ragspec.decoding.budget import AdaptiveBudget
         from ragspec.decoding.generate import SpeculativeGenerator
 
@@ -324,6 +367,7 @@ class Pipeline:
             speedup_estimate=(s.new_tokens * self._cost.time(1) / s.decode_ms) if self._cost and s.decode_ms else None,
             dropped_sources=built.dropped, ttft_ms=ttft_ms, prefix_reused_tokens=reused,
             backend=self.choice.backend if self.choice else "", dtype=self.choice.dtype if self.choice else "",
+            relevance=relevance,
         )
         text = "".join(parts)
         answer = Answer(question, text, list(matcher.citations) if matcher else [], built.sources, stats,

@@ -1,0 +1,124 @@
+"""The relevance gate (`prompt.relevance_floor`): what it embeds, how its floor resolves, and a real pipeline
+(SmolLM2, MiniLM) declining off-topic sources without running the model and answering on-topic ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from ragspec.cli import app
+from ragspec.errors import RagspecError
+from ragspec.pipeline import DECLINED, DoneEvent, Pipeline, SourcesEvent, TextEvent
+from ragspec.pipeline.prompt import PromptBuilder, SourceText, system_instruction
+from ragspec.pipeline.relevance import calibrated_floor, resolve_gate, windows
+from ragspec.spec import load_spec
+
+RIVERS = ("The Danube flows through ten countries. It rises in the Black Forest and empties into the Black Sea.\n\n"
+          "The Rhine is shorter but carries more traffic; barges move coal and grain along it.")
+BREAD = "Knead the dough for ten minutes until it is smooth. Bake at 230 degrees Celsius for thirty minutes."
+QUESTION = "What do barges carry on the Rhine?"
+
+
+def test_windows_are_sentence_pairs_alone_and_after_the_title():
+    s = SourceText(1, "One. Two? Three!\nFour", title="T")
+    assert windows(s) == ["One. Two?", "Two? Three!", "Three! Four", "T. One. Two?", "T. Two? Three!",
+                          "T. Three! Four"]
+    assert windows(SourceText(1, "Just one sentence")) == ["Just one sentence"]
+    assert windows(SourceText(1, "  \n ")) == []
+
+
+def test_the_floor_resolves_per_embedder():
+    loaded = []
+
+    def loader():
+        loaded.append(1)
+        return "embedder"
+
+    assert resolve_gate("off", loader, "all-minilm-l6-v2") is None
+    assert resolve_gate("auto", loader, "BAAI/bge-m3") is None  # no floor measured for it: off
+    assert not loaded  # nothing loads for a gate that is off
+    assert calibrated_floor("all-minilm-l6-v2") == 0.58
+    assert resolve_gate("auto", loader, "all-minilm-l6-v2").floor == 0.58
+    assert resolve_gate(0.3, loader, "BAAI/bge-m3").floor == 0.3
+    with pytest.raises(RagspecError, match="relevance_floor"):
+        resolve_gate("sometimes", loader, "all-minilm-l6-v2")
+
+
+def test_the_spec_takes_auto_off_or_a_cosine():
+    assert load_spec(None).prompt.relevance_floor == "off"
+    assert load_spec({"prompt": {"relevance_floor": 0.5}}).prompt.relevance_floor == 0.5
+    for bad in (1.5, "sometimes"):
+        with pytest.raises(RagspecError, match="relevance_floor"):
+            load_spec({"prompt": {"relevance_floor": bad}})
+
+
+def test_an_answer_after_the_gate_is_not_offered_to_decline(smol_tok):
+    system = system_instruction("quote", "none")
+    assert DECLINED not in system and system == system.strip()
+    built = PromptBuilder(smol_tok, "quote", decline="none").build(QUESTION, [SourceText(1, RIVERS)])
+    assert DECLINED not in smol_tok.decode(built.ids)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from ragspec.models.generator import load_generator
+
+    return load_generator("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def smol_tok(smol):
+    return smol[1]
+
+
+@pytest.fixture(scope="module")
+def gated(smol):
+    model, tok = smol
+    spec = {"generator": {"model": "smollm2-135m-instruct", "max_new_tokens": 12},
+            "drafting": {"method": "suffix", "budget": 16}, "prompt": {"relevance_floor": "auto"}}
+    return Pipeline(spec, model=model, tokenizer=tok)
+
+
+def test_off_topic_sources_are_declined_without_running_the_model(gated):
+    events = list(gated.stream(QUESTION, documents=[BREAD]))
+    assert isinstance(events[0], SourcesEvent) and isinstance(events[-1], DoneEvent)
+    assert [e.text for e in events if isinstance(e, TextEvent)] == [DECLINED]
+    a = events[-1].answer
+    assert a.declined and a.text == DECLINED and not a.citations and a.sources[0].text == BREAD
+    assert a.stats.new_tokens == 0 and a.stats.steps == 0 and a.stats.prompt_tokens == 0
+    assert a.stats.finish_reason == "declined" and a.stats.relevance < 0.58
+    assert a.as_json()["stats"]["relevance"] == round(a.stats.relevance, 3)
+
+
+def test_on_topic_sources_are_answered(gated):
+    a = gated.ask(QUESTION, documents=[BREAD, RIVERS])
+    assert a.stats.relevance >= 0.58 and a.stats.new_tokens > 0 and a.stats.finish_reason != "declined"
+    # a follow-up turn is not gated (its question alone need not resemble the sources)
+    b = gated.ask("And the Danube?", documents=[BREAD], history=[{"role": "user", "content": QUESTION},
+                                                                  {"role": "assistant", "content": a.text}])
+    assert b.stats.relevance is None and b.stats.new_tokens > 0
+
+
+def test_eval_answers_takes_the_floor(tmp_path):
+    rows = [{"id": "a", "input": QUESTION, "passages": [{"title": "Rivers", "text": RIVERS}],
+             "output": [{"answer": "coal and grain"}]},
+            {"id": "u", "input": QUESTION, "passages": [{"title": "Bread", "text": BREAD}], "output": []}]
+    data = tmp_path / "clap.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    spec = tmp_path / "smol.yaml"
+    spec.write_text("generator:\n  model: smollm2-135m-instruct\n  max_new_tokens: 8\n"
+                    "drafting:\n  method: suffix\n  budget: 16\n")
+    out = tmp_path / "r.json"
+    runner = CliRunner()
+    r = runner.invoke(app, ["eval-answers", "--data", str(data), "--format", "clapnq", "--pipeline", str(spec),
+                            "--relevance-floor", "auto", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    assert doc["relevance_floor"] == 0.58 and doc["refusal_rate"] == 1.0
+    assert [row["declined"] for row in doc["rows"]] == [False, True]
+    assert all(row["relevance"] is not None for row in doc["rows"])
+    r = runner.invoke(app, ["eval-answers", "--data", str(data), "--format", "clapnq", "--pipeline", str(spec),
+                            "--relevance-floor", "high"])
+    assert r.exit_code == 2 and "--relevance-floor" in r.output and len(r.output.strip().splitlines()) == 1
