@@ -462,11 +462,13 @@ def eval_answers(
         if max_new_tokens:
             d["generator"]["max_new_tokens"] = max_new_tokens
         if relevance_floor is not None:
+            from ragspec.pipeline.relevance import parse_floor
+
             try:
-                d["prompt"]["relevance_floor"] = (relevance_floor if relevance_floor in ("auto", "off")
-                                                  else float(relevance_floor))
-            except ValueError:
-                raise RagspecError(f"--relevance-floor must be auto, off or a cosine, not '{relevance_floor}'") from None
+                d["prompt"]["relevance_floor"] = parse_floor(relevance_floor)
+            except RagspecError:
+                raise RagspecError(f"--relevance-floor must be auto, off or a cosine in [-1, 1], not "
+                                   f"'{relevance_floor}'") from None
         pipe = Pipeline(load_spec(d), str(retrieve) if retrieve else None)
         with console.status("loading the model…"):
             if retrieve is not None:

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ragspec.errors import RagspecError
 from ragspec.models.registry import DEFAULT_EMBEDDER, DEFAULT_GENERATOR
 
 
@@ -76,10 +77,11 @@ class PromptSettings(Strict):
         "about it); auto: the model's measured best (registry), else last_resort"
     )
     relevance_floor: Literal["auto", "off"] | float = Field(
-        "off", description="decline without running the model when no two-sentence window of the sources reaches "
-        "this cosine to the question (the embedder's), and otherwise ask for an answer without offering to "
-        "decline; auto: the floor measured for the embedder (registry; none: off). Off by default: a request that "
-        "is not a question about the sources (\"Summarise the notes.\") scores low too"
+        "auto", description="decline without running the model when the sources' relevance to the question (the "
+        "mean of the best two-sentence window's and the best whole source's cosine, under the index's embedder) "
+        "is under this floor, and otherwise ask for an answer without offering to decline; auto: the floor "
+        "measured for the embedder (registry; none measured: off). Not applied to follow-up turns or to a task on "
+        "the sources (\"Summarise the notes.\")"
     )
     max_context_tokens: int | None = Field(
         None, ge=64, description="prompt budget; default the model's window minus max_new_tokens"
@@ -91,9 +93,12 @@ class PromptSettings(Strict):
 
     @model_validator(mode="after")
     def _floor_is_a_cosine(self):
-        f = self.relevance_floor
-        if not isinstance(f, str) and not -1.0 <= f <= 1.0:
-            raise ValueError(f"relevance_floor is a cosine between -1 and 1 (or auto / off), not {f}")
+        from ragspec.pipeline.relevance import parse_floor
+
+        try:
+            parse_floor(self.relevance_floor)
+        except RagspecError as e:
+            raise ValueError(str(e)) from None
         return self
 
 

@@ -12,13 +12,14 @@ from ragspec.cli import app
 from ragspec.errors import RagspecError
 from ragspec.pipeline import DECLINED, DoneEvent, Pipeline, SourcesEvent, TextEvent
 from ragspec.pipeline.prompt import PromptBuilder, SourceText, system_instruction
-from ragspec.pipeline.relevance import calibrated_floor, resolve_gate, windows
+from ragspec.pipeline.relevance import calibrated_floor, is_task_on_sources, parse_floor, resolve_gate, windows
 from ragspec.spec import load_spec
 
 RIVERS = ("The Danube flows through ten countries. It rises in the Black Forest and empties into the Black Sea.\n\n"
           "The Rhine is shorter but carries more traffic; barges move coal and grain along it.")
 BREAD = "Knead the dough for ten minutes until it is smooth. Bake at 230 degrees Celsius for thirty minutes."
 QUESTION = "What do barges carry on the Rhine?"
+FLOOR = 0.53  # MiniLM's measured floor (registry)
 
 
 def test_windows_are_sentence_pairs_alone_and_after_the_title():
@@ -27,6 +28,23 @@ def test_windows_are_sentence_pairs_alone_and_after_the_title():
                           "T. Three! Four"]
     assert windows(SourceText(1, "Just one sentence")) == ["Just one sentence"]
     assert windows(SourceText(1, "  \n ")) == []
+
+
+def test_a_task_on_the_sources_is_not_a_question_about_them():
+    for q in ("Summarise the notes.", "summarize: …", "Translate this passage into French",
+              "What does the passage say about barges?", "Rewrite the text in plain English"):
+        assert is_task_on_sources(q), q
+    for q in (QUESTION, "What does the global statement do?", "what is the highest point above sea level",
+              "who signed the documents of surrender", "list the members of the traveling wilburys", ""):
+        assert not is_task_on_sources(q), q
+
+
+def test_the_floor_parses_in_one_place():
+    assert parse_floor("auto") == "auto" and parse_floor(" OFF ") == "off"
+    assert parse_floor("0.5") == 0.5 and parse_floor(-1) == -1.0
+    for bad in ("high", 1.5, "-2", None, True):
+        with pytest.raises(RagspecError, match="relevance_floor"):
+            parse_floor(bad)
 
 
 def test_the_floor_resolves_per_embedder():
@@ -39,15 +57,15 @@ def test_the_floor_resolves_per_embedder():
     assert resolve_gate("off", loader, "all-minilm-l6-v2") is None
     assert resolve_gate("auto", loader, "BAAI/bge-m3") is None  # no floor measured for it: off
     assert not loaded  # nothing loads for a gate that is off
-    assert calibrated_floor("all-minilm-l6-v2") == 0.58
-    assert resolve_gate("auto", loader, "all-minilm-l6-v2").floor == 0.58
+    assert calibrated_floor("all-minilm-l6-v2") == FLOOR
+    assert resolve_gate("auto", loader, "all-minilm-l6-v2").floor == FLOOR
     assert resolve_gate(0.3, loader, "BAAI/bge-m3").floor == 0.3
     with pytest.raises(RagspecError, match="relevance_floor"):
         resolve_gate("sometimes", loader, "all-minilm-l6-v2")
 
 
 def test_the_spec_takes_auto_off_or_a_cosine():
-    assert load_spec(None).prompt.relevance_floor == "off"
+    assert load_spec(None).prompt.relevance_floor == "auto"  # on by default (README, *Declining*)
     assert load_spec({"prompt": {"relevance_floor": 0.5}}).prompt.relevance_floor == 0.5
     for bad in (1.5, "sometimes"):
         with pytest.raises(RagspecError, match="relevance_floor"):
@@ -88,17 +106,22 @@ def test_off_topic_sources_are_declined_without_running_the_model(gated):
     a = events[-1].answer
     assert a.declined and a.text == DECLINED and not a.citations and a.sources[0].text == BREAD
     assert a.stats.new_tokens == 0 and a.stats.steps == 0 and a.stats.prompt_tokens == 0
-    assert a.stats.finish_reason == "declined" and a.stats.relevance < 0.58
+    assert a.stats.finish_reason == "declined" and a.stats.relevance < FLOOR
     assert a.as_json()["stats"]["relevance"] == round(a.stats.relevance, 3)
 
 
 def test_on_topic_sources_are_answered(gated):
     a = gated.ask(QUESTION, documents=[BREAD, RIVERS])
-    assert a.stats.relevance >= 0.58 and a.stats.new_tokens > 0 and a.stats.finish_reason != "declined"
+    assert a.stats.relevance >= FLOOR and a.stats.new_tokens > 0 and a.stats.finish_reason != "declined"
     # a follow-up turn is not gated (its question alone need not resemble the sources)
     b = gated.ask("And the Danube?", documents=[BREAD], history=[{"role": "user", "content": QUESTION},
                                                                   {"role": "assistant", "content": a.text}])
     assert b.stats.relevance is None and b.stats.new_tokens > 0
+
+
+def test_a_task_on_the_sources_is_not_gated(gated):
+    a = gated.ask("Summarise the notes.", documents=[BREAD])
+    assert a.stats.relevance is None and a.stats.new_tokens > 0 and a.stats.finish_reason != "declined"
 
 
 def test_eval_answers_takes_the_floor(tmp_path):
@@ -116,7 +139,7 @@ def test_eval_answers_takes_the_floor(tmp_path):
                             "--relevance-floor", "auto", "--json", str(out)])
     assert r.exit_code == 0, r.output
     doc = json.loads(out.read_text())
-    assert doc["relevance_floor"] == 0.58 and doc["refusal_rate"] == 1.0
+    assert doc["relevance_floor"] == FLOOR and doc["refusal_rate"] == 1.0
     assert [row["declined"] for row in doc["rows"]] == [False, True]
     assert all(row["relevance"] is not None for row in doc["rows"])
     r = runner.invoke(app, ["eval-answers", "--data", str(data), "--format", "clapnq", "--pipeline", str(spec),

@@ -22,6 +22,7 @@ from ragspec.pipeline.answer import (Answer, AnswerStats, CitationEvent, DoneEve
 from ragspec.pipeline.aio import iterate_in_thread
 from ragspec.pipeline.attribution import CopyMatcher
 from ragspec.pipeline.declined import is_declined
+from ragspec.pipeline.relevance import is_task_on_sources
 from ragspec.pipeline.prompt import BuiltPrompt, PromptBuilder, SourceText
 from ragspec.spec import PipelineSpec, load_spec
 
@@ -230,16 +231,17 @@ class Pipeline:
             sources, retrieval_ms = self.retrieve(question, filter)
         else:
             sources, retrieval_ms = as_sources(documents), 0.0
-        decline, relevance = None, None
-        gate = self.relevance_gate if sources and not history else None
+        relevance = None
+        gate = self.relevance_gate if sources and not history and not is_task_on_sources(question) else None
+        with self._gen_lock:  # built first: a prompt over the budget is an error, gated or not
+            # past the gate a source is about the question: the model is asked to answer, not offered to decline
+            built = self.prompt_builder(max_new, "none" if gate else None).build(question, sources, history,
+                                                                                 instructions)
         if gate is not None:
             relevance = gate.score(question, sources)
             if not gate.passes(relevance):
                 yield from self._declined(question, sources, retrieval_ms, relevance, t_start)
                 return
-            decline = "none"  # a source is about the question: answer it
-        with self._gen_lock:
-            built = self.prompt_builder(max_new, decline).build(question, sources, history, instructions)
         yield from self._generate(built, question, retrieval_ms, max_new, stop, temperature, t_start, cancel,
                                   on_progress, relevance)
 
