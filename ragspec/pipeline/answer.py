@@ -29,7 +29,7 @@ class AnswerStats:
     prefix_reused_tokens: int = 0  # prompt tokens whose KV cache came from an earlier generation
     backend: str = ""  # what ran the model: transformers or llama.cpp (generator.backend auto: measured fastest)
     dtype: str = ""  # float32 / bfloat16 / float16 (transformers), gguf (llama.cpp: the file's own quantization)
-    relevance: float | None = None  # the best source's cosine to the question (the relevance gate; None: off)
+    relevance: float | None = None  # the relevance gate's score of the sources (None: the gate did not apply)
 
     def as_json(self) -> dict:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}

@@ -232,12 +232,15 @@ class Pipeline:
         else:
             sources, retrieval_ms = as_sources(documents), 0.0
         relevance = None
-        gate = self.relevance_gate if sources and not history and not is_task_on_sources(question) else None
+        # the gate judges a conversation's first question; a follow-up keeps that turn's instruction, so its prompt
+        # starts with the first turn's (the prefix cache reuses it)
+        first = str(history[0].get("content", "")) if history and isinstance(history[0], dict) else question
+        gate = self.relevance_gate if sources and not is_task_on_sources(first) else None
         with self._gen_lock:  # built first: a prompt over the budget is an error, gated or not
             # past the gate a source is about the question: the model is asked to answer, not offered to decline
             built = self.prompt_builder(max_new, "none" if gate else None).build(question, sources, history,
                                                                                  instructions)
-        if gate is not None:
+        if gate is not None and not history:
             relevance = gate.score(question, sources)
             if not gate.passes(relevance):
                 yield from self._declined(question, sources, retrieval_ms, relevance, t_start)
