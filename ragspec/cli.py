@@ -462,7 +462,7 @@ def eval_answers(
         if max_new_tokens:
             d["generator"]["max_new_tokens"] = max_new_tokens
         if relevance_floor is not None:
-            from ragspec.pipeline.relevance import parse_floor
+            from ragspec.settings import parse_floor
 
             try:
                 d["prompt"]["relevance_floor"] = parse_floor(relevance_floor)

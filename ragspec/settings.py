@@ -12,6 +12,19 @@ from ragspec.errors import RagspecError
 from ragspec.models.registry import DEFAULT_EMBEDDER, DEFAULT_GENERATOR
 
 
+def parse_floor(value) -> "str | float":
+    """`prompt.relevance_floor` as given in YAML or on the command line: "auto", "off" or a cosine in [-1, 1]."""
+    if isinstance(value, str) and value.strip().lower() in ("auto", "off"):
+        return value.strip().lower()
+    try:
+        floor = float(value)
+    except (TypeError, ValueError):
+        floor = None
+    if floor is None or isinstance(value, bool) or not -1.0 <= floor <= 1.0:
+        raise RagspecError(f"relevance_floor must be auto, off or a cosine in [-1, 1], not {value!r}")
+    return floor
+
+
 class Strict(BaseModel):
     """Unknown keys are errors (a typo must not silently fall back to a default)."""
 
@@ -93,8 +106,6 @@ class PromptSettings(Strict):
 
     @model_validator(mode="after")
     def _floor_is_a_cosine(self):
-        from ragspec.pipeline.relevance import parse_floor
-
         try:
             parse_floor(self.relevance_floor)
         except RagspecError as e:

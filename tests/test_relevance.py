@@ -12,7 +12,8 @@ from ragspec.cli import app
 from ragspec.errors import RagspecError
 from ragspec.pipeline import DECLINED, DoneEvent, Pipeline, SourcesEvent, TextEvent
 from ragspec.pipeline.prompt import PromptBuilder, SourceText, system_instruction
-from ragspec.pipeline.relevance import calibrated_floor, is_task_on_sources, parse_floor, resolve_gate, windows
+from ragspec.pipeline.relevance import calibrated_floor, is_task_on_sources, resolve_gate, windows
+from ragspec.settings import parse_floor
 from ragspec.spec import load_spec
 
 RIVERS = ("The Danube flows through ten countries. It rises in the Black Forest and empties into the Black Sea.\n\n"

@@ -23,7 +23,7 @@ from ragspec.pipeline.aio import iterate_in_thread
 from ragspec.pipeline.attribution import CopyMatcher
 from ragspec.pipeline.declined import is_declined
 from ragspec.pipeline.relevance import is_task_on_sources
-from ragspec.pipeline.prompt import BuiltPrompt, PromptBuilder, SourceText
+from ragspec.pipeline.prompt import NO_DECLINE, BuiltPrompt, PromptBuilder, SourceText
 from ragspec.spec import PipelineSpec, load_spec
 
 
@@ -151,7 +151,7 @@ class Pipeline:
         return self.load()._tokenizer
 
     def prompt_builder(self, max_new_tokens: int, decline: str | None = None) -> PromptBuilder:
-        """`decline`: the decline phrasing (default `self.decline`; "none" when the relevance gate passed)."""
+        """`decline`: the decline phrasing (default `self.decline`; NO_DECLINE when the relevance gate passed)."""
         p = self.spec.prompt
         budget = p.max_context_tokens
         if budget is None:
@@ -238,7 +238,7 @@ class Pipeline:
         gate = self.relevance_gate if sources and not is_task_on_sources(first) else None
         with self._gen_lock:  # built first: a prompt over the budget is an error, gated or not
             # past the gate a source is about the question: the model is asked to answer, not offered to decline
-            built = self.prompt_builder(max_new, "none" if gate else None).build(question, sources, history,
+            built = self.prompt_builder(max_new, NO_DECLINE if gate else None).build(question, sources, history,
                                                                                  instructions)
         if gate is not None and not history:
             relevance = gate.score(question, sources)

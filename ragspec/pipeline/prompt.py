@@ -32,7 +32,7 @@ DECLINE = {
 DECLINES = tuple(DECLINE)
 # after the relevance gate found a source about the question (pipeline.relevance), the model is not offered to
 # decline: the 0.5B declined 23 % of answerable NQ questions when it was
-DECLINE["none"] = ""
+NO_DECLINE = "none"
 
 _TASK = {
     "quote": (
@@ -52,7 +52,7 @@ _TASK = {
 
 def system_instruction(style: str, decline: str = "last_resort") -> str:
     """The built-in system instruction of a prompt style with a decline phrasing."""
-    return (_TASK[style] + DECLINE[decline]).strip()
+    return (_TASK[style] + ("" if decline == NO_DECLINE else DECLINE[decline])).strip()
 
 
 SYSTEM = {style: system_instruction(style) for style in _TASK}

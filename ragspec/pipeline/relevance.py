@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ragspec.errors import RagspecError
+from ragspec.settings import parse_floor
 
 
 _SENTENCE_END = re.compile(r"(?<=[.!?;])\s+|\n+")
@@ -59,19 +59,6 @@ def is_task_on_sources(question: str) -> bool:
     if not words:
         return False
     return words[0].strip(",.:;!?") in _TASK_VERBS or bool(_DEICTIC.search(question))
-
-
-def parse_floor(value) -> "str | float":
-    """`prompt.relevance_floor` as given in YAML or on the command line: "auto", "off" or a cosine in [-1, 1]."""
-    if isinstance(value, str) and value.strip().lower() in ("auto", "off"):
-        return value.strip().lower()
-    try:
-        floor = float(value)
-    except (TypeError, ValueError):
-        floor = None
-    if floor is None or isinstance(value, bool) or not -1.0 <= floor <= 1.0:
-        raise RagspecError(f"relevance_floor must be auto, off or a cosine in [-1, 1], not {value!r}")
-    return floor
 
 
 def _whole(s) -> str:
