@@ -477,6 +477,7 @@ def eval_answers(
         meta = {"format": fmt, "data": str(data), "style": pipe.spec.prompt.style,
                 "decline": None if pipe.spec.prompt.system else pipe.decline, "model": pipe.spec.generator.model,
                 "relevance_floor": pipe.relevance_gate.floor if pipe.relevance_gate else None,
+                "relevance_doubt": pipe.relevance_gate.doubt if pipe.relevance_gate else None,
                 "drafting": pipe.spec.drafting.method, "max_new_tokens": pipe.spec.generator.max_new_tokens,
                 "sources": "retrieved from " + str(retrieve) if retrieve else "the record's own passages"}
         rows = []

@@ -96,6 +96,11 @@ class PromptSettings(Strict):
         "measured for the embedder (registry; none measured: off). Not applied to follow-up turns or to a task on "
         "the sources (\"Summarise the notes.\")"
     )
+    relevance_doubt: float | None = Field(
+        None, ge=-1.0, le=1.0, description="with the relevance gate on: from its floor up to this score the "
+        "embedder is unsure, so the model is offered to decline (phrased by `decline`) and its own judgement "
+        "decides; from this score on it is asked to answer. null: no such band (README, *Declining*)"
+    )
     max_context_tokens: int | None = Field(
         None, ge=64, description="prompt budget; default the model's window minus max_new_tokens"
     )

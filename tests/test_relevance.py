@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 from ragspec.cli import app
 from ragspec.errors import RagspecError
 from ragspec.pipeline import DECLINED, DoneEvent, Pipeline, SourcesEvent, TextEvent
-from ragspec.pipeline.prompt import PromptBuilder, SourceText, system_instruction
+from ragspec.pipeline.pipeline import as_sources
+from ragspec.pipeline.prompt import NO_DECLINE, PromptBuilder, SourceText, system_instruction
 from ragspec.pipeline.relevance import calibrated_floor, is_task_on_sources, resolve_gate, windows
 from ragspec.settings import parse_floor
 from ragspec.spec import load_spec
@@ -74,9 +75,9 @@ def test_the_spec_takes_auto_off_or_a_cosine():
 
 
 def test_an_answer_after_the_gate_is_not_offered_to_decline(smol_tok):
-    system = system_instruction("quote", "none")
+    system = system_instruction("quote", NO_DECLINE)
     assert DECLINED not in system and system == system.strip()
-    built = PromptBuilder(smol_tok, "quote", decline="none").build(QUESTION, [SourceText(1, RIVERS)])
+    built = PromptBuilder(smol_tok, "quote", decline=NO_DECLINE).build(QUESTION, [SourceText(1, RIVERS)])
     assert DECLINED not in smol_tok.decode(built.ids)
 
 
@@ -118,6 +119,28 @@ def test_on_topic_sources_are_answered(gated):
     b = gated.ask("And the Danube?", documents=[BREAD], history=[{"role": "user", "content": QUESTION},
                                                                   {"role": "assistant", "content": a.text}])
     assert b.stats.relevance is None and b.stats.new_tokens > 0
+
+
+def test_an_unsure_score_offers_the_model_to_decline(smol, gated):
+    """From the floor up to `relevance_doubt` the model is offered to decline (README, *Declining*)."""
+    model, tok = smol
+    spec = {"generator": {"model": "smollm2-135m-instruct", "max_new_tokens": 12},
+            "drafting": {"method": "suffix", "budget": 16},
+            "prompt": {"relevance_floor": "auto", "relevance_doubt": 0.99}}
+    unsure = Pipeline(spec, model=model, tokenizer=tok)
+    docs = [BREAD, RIVERS]
+    a, b = unsure.ask(QUESTION, documents=docs), gated.ask(QUESTION, documents=docs)
+    assert FLOOR <= a.stats.relevance < 0.99 and a.stats.relevance == b.stats.relevance
+    sources = as_sources(docs)
+    offered = unsure.prompt_builder(12).build(QUESTION, sources).ids
+    plain = unsure.prompt_builder(12, NO_DECLINE).build(QUESTION, sources).ids
+    assert DECLINED in tok.decode(offered) and DECLINED not in tok.decode(plain)
+    assert a.stats.prompt_tokens == len(offered) and b.stats.prompt_tokens == len(plain)
+    # under the floor it still declines without running the model
+    c = unsure.ask(QUESTION, documents=[BREAD])
+    assert c.declined and c.stats.finish_reason == "declined" and c.stats.new_tokens == 0
+    with pytest.raises(RagspecError, match="relevance_doubt"):
+        load_spec({"prompt": {"relevance_doubt": 1.5}})
 
 
 def test_a_task_on_the_sources_is_not_gated(gated):

@@ -170,13 +170,14 @@ class Pipeline:
 
                 if self._index_arg is not None:
                     name = self.retriever.index.manifest["embedder"]["requested"]
-                    self._gate = resolve_gate(self.spec.prompt.relevance_floor, lambda: self.retriever.embedder, name)
+                    self._gate = resolve_gate(self.spec.prompt.relevance_floor, lambda: self.retriever.embedder, name,
+                                              self.spec.prompt.relevance_doubt)
                 else:
                     from ragspec.models.embedder import load_embedder
 
                     self._gate = resolve_gate(self.spec.prompt.relevance_floor,
                                               lambda: load_embedder(DEFAULT_EMBEDDER, "cpu", "float32"),
-                                              DEFAULT_EMBEDDER)
+                                              DEFAULT_EMBEDDER, self.spec.prompt.relevance_doubt)
             return self._gate
 
     # -- retrieval -------------------------------------------------------------------------------------------
@@ -236,15 +237,18 @@ class Pipeline:
         # starts with the first turn's (the prefix cache reuses it)
         first = str(history[0].get("content", "")) if history and isinstance(history[0], dict) else question
         gate = self.relevance_gate if sources and not is_task_on_sources(first) else None
+        if gate is not None and (not history or gate.doubt is not None):
+            relevance = gate.score(first, sources)
+        # past the gate a source is about the question: the model is asked to answer, not offered to decline,
+        # unless the score is in the gate's unsure band
+        decline = None if gate is None or (relevance is not None and gate.unsure(relevance)) else NO_DECLINE
         with self._gen_lock:  # built first: a prompt over the budget is an error, gated or not
-            # past the gate a source is about the question: the model is asked to answer, not offered to decline
-            built = self.prompt_builder(max_new, NO_DECLINE if gate else None).build(question, sources, history,
-                                                                                 instructions)
-        if gate is not None and not history:
-            relevance = gate.score(question, sources)
-            if not gate.passes(relevance):
-                yield from self._declined(question, sources, retrieval_ms, relevance, t_start)
-                return
+            built = self.prompt_builder(max_new, decline).build(question, sources, history, instructions)
+        if history:
+            relevance = None  # the gate judged the first turn, not this one
+        elif gate is not None and not gate.passes(relevance):
+            yield from self._declined(question, sources, retrieval_ms, relevance, t_start)
+            return
         yield from self._generate(built, question, retrieval_ms, max_new, stop, temperature, t_start, cancel,
                                   on_progress, relevance)
 

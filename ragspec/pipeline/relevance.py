@@ -81,6 +81,7 @@ def calibrated_floor(embedder_name: str) -> float | None:
 class RelevanceGate:
     embedder: object  # ragspec.models.embedder.Embedder
     floor: float
+    doubt: float | None = None  # from the floor up to this score the model is offered to decline
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def score(self, question: str, sources) -> float:
@@ -98,10 +99,14 @@ class RelevanceGate:
     def passes(self, score: float) -> bool:
         return score >= self.floor
 
+    def unsure(self, score: float) -> bool:
+        """A passing score under `doubt`: the model, offered to decline, decides."""
+        return self.doubt is not None and self.floor <= score < self.doubt
 
-def resolve_gate(setting, embedder_loader, embedder_name: str) -> RelevanceGate | None:
+
+def resolve_gate(setting, embedder_loader, embedder_name: str, doubt: float | None = None) -> RelevanceGate | None:
     """`prompt.relevance_floor` → a gate or None. `setting`: "off", "auto" or a cosine; `embedder_loader()` loads
-    the embedder named `embedder_name` (called only when a gate is made)."""
+    the embedder named `embedder_name` (called only when a gate is made); `doubt`: `prompt.relevance_doubt`."""
     if setting is None:
         return None
     floor = parse_floor(setting)
@@ -111,4 +116,4 @@ def resolve_gate(setting, embedder_loader, embedder_name: str) -> RelevanceGate 
         floor = calibrated_floor(embedder_name)
         if floor is None:
             return None
-    return RelevanceGate(embedder_loader(), floor)
+    return RelevanceGate(embedder_loader(), floor, doubt)
