@@ -16,6 +16,10 @@ words. On the tuning records (CLAP NQ 151-300) the window alone separates with A
 A request that is a task on the sources rather than a question about them ("Summarise the notes.", "Translate
 this passage") is not gated: it scores low against any source and would be declined (`is_task_on_sources`).
 
+Just over the floor the score is least sure. `prompt.relevance_doubt` sets a band there in which the model
+is offered to decline and decides itself: a generator that declines well (the 1.5B) adds its own judgement where
+the embedder's is weakest, while one that declines badly (the 0.5B) is better kept out of it (no band).
+
 The floor belongs to an embedder (cosines are not comparable across models): `auto` takes the one measured for
 it (the registry entry's `relevance_floor`), and an embedder with none leaves the gate off.
 """
