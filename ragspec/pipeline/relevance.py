@@ -17,8 +17,9 @@ A request that is a task on the sources rather than a question about them ("Summ
 this passage") is not gated: it scores low against any source and would be declined (`is_task_on_sources`).
 
 Just over the floor the score is least sure. `prompt.relevance_doubt` sets a band there in which the model
-is offered to decline and decides itself: a generator that declines well (the 1.5B) adds its own judgement where
-the embedder's is weakest, while one that declines badly (the 0.5B) is better kept out of it (no band).
+is offered to decline and decides itself, so the generator adds its own judgement where the embedder's is
+weakest. The band is measured per generator (`pipelines/accurate.yaml` for the 1.5B); with none measured for the
+default generator, it is off by default.
 
 The floor belongs to an embedder (cosines are not comparable across models): `auto` takes the one measured for
 it (the registry entry's `relevance_floor`), and an embedder with none leaves the gate off.
