@@ -92,9 +92,10 @@ class PromptSettings(Strict):
     relevance_floor: Literal["auto", "off"] | float = Field(
         "auto", description="decline without running the model when the sources' relevance to the question (the "
         "mean of the best two-sentence window's and the best whole source's cosine, under the index's embedder) "
-        "is under this floor, and otherwise ask for an answer without offering to decline; auto: the floor "
-        "measured for the embedder (registry; none measured: off). Not applied to follow-up turns or to a task on "
-        "the sources (\"Summarise the notes.\")"
+        "is under this floor, and otherwise ask for an answer without offering to decline; auto: with "
+        "relevance_doubt auto, the floor measured for the generator with the embedder where there is one, else "
+        "the one measured for the embedder (registry; none measured: off). Not applied to follow-up turns or to a "
+        "task on the sources (\"Summarise the notes.\")"
     )
     relevance_doubt: Literal["auto"] | float | None = Field(
         "auto", description="with the relevance gate on: from its floor up to this score the embedder is unsure, "
