@@ -473,10 +473,11 @@ def eval_answers(
                 raise RagspecError(f"--relevance-floor must be auto, off or a cosine in [-1, 1], not "
                                    f"'{relevance_floor}'") from None
         if relevance_doubt is not None:
-            word = relevance_doubt.strip().lower()
+            from ragspec.settings import parse_doubt
+
             try:
-                d["prompt"]["relevance_doubt"] = word if word == "auto" else None if word == "none" else float(word)
-            except ValueError:
+                d["prompt"]["relevance_doubt"] = parse_doubt(relevance_doubt)
+            except RagspecError:
                 raise RagspecError(f"--relevance-doubt must be auto, none or a cosine in [-1, 1], not "
                                    f"'{relevance_doubt}'") from None
         pipe = Pipeline(load_spec(d), str(retrieve) if retrieve else None)

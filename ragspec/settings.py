@@ -25,6 +25,22 @@ def parse_floor(value) -> "str | float":
     return floor
 
 
+def parse_doubt(value) -> "str | float | None":
+    """`prompt.relevance_doubt` as given in YAML or on the command line: "auto", none (null) or a cosine in
+    [-1, 1]."""
+    if value is None or isinstance(value, str) and value.strip().lower() in ("none", "null"):
+        return None
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        doubt = float(value)
+    except (TypeError, ValueError):
+        doubt = None
+    if doubt is None or isinstance(value, bool) or not -1.0 <= doubt <= 1.0:
+        raise RagspecError(f"relevance_doubt must be auto, null or a cosine in [-1, 1], not {value!r}")
+    return doubt
+
+
 class Strict(BaseModel):
     """Unknown keys are errors (a typo must not silently fall back to a default)."""
 
@@ -112,14 +128,12 @@ class PromptSettings(Strict):
     )
 
     @model_validator(mode="after")
-    def _floor_is_a_cosine(self):
+    def _floor_and_doubt_parse(self):
         try:
             parse_floor(self.relevance_floor)
+            parse_doubt(self.relevance_doubt)
         except RagspecError as e:
             raise ValueError(str(e)) from None
-        d = self.relevance_doubt
-        if d is not None and d != "auto" and not -1.0 <= d <= 1.0:
-            raise ValueError(f"relevance_doubt must be auto, null or a cosine in [-1, 1], not {d!r}")
         return self
 
 
