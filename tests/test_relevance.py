@@ -162,6 +162,32 @@ def test_an_unsure_score_offers_the_model_to_decline(smol, gated):
         load_spec({"prompt": {"relevance_doubt": 1.5}})
 
 
+def test_the_gate_embeds_each_distinct_text_once():
+    """A source of two sentences is its own only window: it is embedded once, and the score is the same as
+    embedding every text apart."""
+    import numpy as np
+
+    from ragspec.models.embedder import load_embedder
+    from ragspec.pipeline.relevance import RelevanceGate, _whole
+
+    real, seen = load_embedder("all-minilm-l6-v2"), []
+
+    class Counting:  # the real embedder, counting what it is given
+        def encode(self, texts):
+            seen.append(list(texts))
+            return real.encode(texts)
+
+    sources = [SourceText(1, BREAD), SourceText(2, RIVERS)]
+    score = RelevanceGate(Counting(), FLOOR).score(QUESTION, sources)
+    wins = [w for s in sources for w in windows(s)]
+    texts = [QUESTION] + wins + [_whole(s) for s in sources]
+    assert BREAD in wins and len(seen) == 1 and sorted(seen[0]) == sorted(set(texts)) and len(seen[0]) < len(texts)
+    q = real.encode([QUESTION])[0]
+    one = [float(real.encode([t])[0] @ q) for t in texts[1:]]
+    # apart or batched, an embedding differs only by padding and reduced-precision rounding
+    assert score == pytest.approx((max(one[:len(wins)]) + max(one[len(wins):])) / 2, abs=5e-3)
+
+
 def test_a_task_on_the_sources_is_not_gated(gated):
     a = gated.ask("Summarise the notes.", documents=[BREAD])
     assert a.stats.relevance is None and a.stats.new_tokens > 0 and a.stats.finish_reason != "declined"

@@ -92,14 +92,17 @@ class RelevanceGate:
 
     def score(self, question: str, sources) -> float:
         """The mean of the best cosine between the question and a window of a source and the best between the
-        question and a whole source (-1 with no text)."""
+        question and a whole source (-1 with no text). Each distinct text is embedded once."""
         wins = [w for s in sources for w in windows(s)]
         wholes = [_whole(s) for s in sources if s.text.strip()]
         if not wins:
             return -1.0
+        texts = [question] + wins + wholes
+        unique = list(dict.fromkeys(texts))  # a source of one or two sentences is its own only window
         with self.lock:
-            vecs = np.asarray(self.embedder.encode([question] + wins + wholes), dtype=np.float32)
-        sims = vecs[1:] @ vecs[0]
+            vecs = np.asarray(self.embedder.encode(unique), dtype=np.float32)
+        row = {t: i for i, t in enumerate(unique)}
+        sims = vecs[[row[t] for t in texts[1:]]] @ vecs[0]
         return float((sims[:len(wins)].max() + sims[len(wins):].max()) / 2)
 
     def passes(self, score: float) -> bool:
