@@ -464,22 +464,17 @@ def eval_answers(
             d["generator"]["model"] = model
         if max_new_tokens:
             d["generator"]["max_new_tokens"] = max_new_tokens
-        if relevance_floor is not None:
-            from ragspec.settings import parse_floor
+        from ragspec.settings import parse_doubt, parse_floor
 
+        for key, value, parse, words in (("relevance_floor", relevance_floor, parse_floor, "auto, off"),
+                                         ("relevance_doubt", relevance_doubt, parse_doubt, "auto, none")):
+            if value is None:
+                continue
             try:
-                d["prompt"]["relevance_floor"] = parse_floor(relevance_floor)
+                d["prompt"][key] = parse(value)
             except RagspecError:
-                raise RagspecError(f"--relevance-floor must be auto, off or a cosine in [-1, 1], not "
-                                   f"'{relevance_floor}'") from None
-        if relevance_doubt is not None:
-            from ragspec.settings import parse_doubt
-
-            try:
-                d["prompt"]["relevance_doubt"] = parse_doubt(relevance_doubt)
-            except RagspecError:
-                raise RagspecError(f"--relevance-doubt must be auto, none or a cosine in [-1, 1], not "
-                                   f"'{relevance_doubt}'") from None
+                flag = "--" + key.replace("_", "-")
+                raise RagspecError(f"{flag} must be {words} or a cosine in [-1, 1], not '{value}'") from None
         pipe = Pipeline(load_spec(d), str(retrieve) if retrieve else None)
         with console.status("loading the model…"):
             if retrieve is not None:

@@ -12,17 +12,22 @@ from ragspec.errors import RagspecError
 from ragspec.models.registry import DEFAULT_EMBEDDER, DEFAULT_GENERATOR
 
 
+def _cosine(value, name: str, words: str) -> float:
+    """`value` as a cosine in [-1, 1], or one line naming the setting and the words it also takes."""
+    try:
+        cos = float(value)
+    except (TypeError, ValueError):
+        cos = None
+    if cos is None or isinstance(value, bool) or not -1.0 <= cos <= 1.0:
+        raise RagspecError(f"{name} must be {words} or a cosine in [-1, 1], not {value!r}")
+    return cos
+
+
 def parse_floor(value) -> "str | float":
     """`prompt.relevance_floor` as given in YAML or on the command line: "auto", "off" or a cosine in [-1, 1]."""
     if isinstance(value, str) and value.strip().lower() in ("auto", "off"):
         return value.strip().lower()
-    try:
-        floor = float(value)
-    except (TypeError, ValueError):
-        floor = None
-    if floor is None or isinstance(value, bool) or not -1.0 <= floor <= 1.0:
-        raise RagspecError(f"relevance_floor must be auto, off or a cosine in [-1, 1], not {value!r}")
-    return floor
+    return _cosine(value, "relevance_floor", "auto, off")
 
 
 def parse_doubt(value) -> "str | float | None":
@@ -32,13 +37,7 @@ def parse_doubt(value) -> "str | float | None":
         return None
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
-    try:
-        doubt = float(value)
-    except (TypeError, ValueError):
-        doubt = None
-    if doubt is None or isinstance(value, bool) or not -1.0 <= doubt <= 1.0:
-        raise RagspecError(f"relevance_doubt must be auto, null or a cosine in [-1, 1], not {value!r}")
-    return doubt
+    return _cosine(value, "relevance_doubt", "auto, null")
 
 
 class Strict(BaseModel):
