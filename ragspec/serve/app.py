@@ -24,10 +24,11 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException  # FastAPI's subclasses it; routing and body parsing raise this one
 
 from ragspec.errors import Cancelled, RagspecError
 from ragspec.pipeline import CitationEvent, DoneEvent, Pipeline, SourcesEvent, TextEvent
@@ -283,7 +284,9 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException):
-        return JSONResponse(error_body(str(exc.detail), "not_found_error" if exc.status_code == 404 else "error"),
+        kind = ("not_found_error" if exc.status_code == 404 else
+                "invalid_request_error" if 400 <= exc.status_code < 500 else "error")
+        return JSONResponse(error_body(str(exc.detail), kind),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     def auth(request: Request) -> None:
@@ -318,6 +321,8 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/v1/documents/{document_id}", dependencies=v1)
     async def document(document_id: int):
         index = server.pipe.retriever.index
+        if not 0 <= document_id < 2**63:  # SQLite's integer range: a larger id overflowed into a 500
+            raise ApiError(404, f"no document {document_id} in this index", "not_found_error", "document_not_found")
 
         def read():
             try:
