@@ -82,7 +82,7 @@ def run_load(url: str, model: str, questions: list[str], *, clients: int = 16, r
                 r["identical"] = r["text"] == alone[q]
                 with lock:
                     results.append(r)
-            except Exception as exc:  # counted and reported
+            except Exception as exc:  # noqa: BLE001 - counted and reported
                 with lock:
                     errors.append(f"{type(exc).__name__}: {exc}")
 

@@ -33,7 +33,7 @@ def parse_floor(value) -> "str | float":
 def parse_doubt(value) -> "str | float | None":
     """`prompt.relevance_doubt` as given in YAML or on the command line: "auto", none (null) or a cosine in
     [-1, 1]."""
-    if value is None or isinstance(value, str) and value.strip().lower() in ("none", "null"):
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")):
         return None
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"

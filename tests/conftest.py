@@ -51,3 +51,27 @@ def embedder():
 @pytest.fixture
 def corpus(tmp_path) -> Path:
     return write_corpus(tmp_path / "corpus")
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """SmolLM2-135M-Instruct (model, tokenizer), seeded; a module that needs another load defines its own."""
+    import torch
+
+    from ragspec.models.generator import load_generator
+
+    torch.manual_seed(0)
+    return load_generator("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def cases(smol):
+    """(prompt, greedy reference) for each of greedy_cases.QUESTIONS, 48 new tokens."""
+    from greedy_cases import PASSAGES, QUESTIONS, chat_prompt, reference
+
+    from ragspec.decoding.generate import SpeculativeGenerator
+
+    model, tok = smol
+    eos = sorted(SpeculativeGenerator(model, tok).eos)
+    return [(prompt, reference(model, prompt, 48, eos))
+            for prompt in (chat_prompt(tok, PASSAGES[p], q) for q, p in QUESTIONS)]

@@ -209,7 +209,7 @@ def test_readers_reject_bad_input(tmp_path, data):
         read_records(data["nq"], "specbench")
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
-    with pytest.raises(RagspecError, match="bad.jsonl:1: not JSON"):
+    with pytest.raises(RagspecError, match=r"bad.jsonl:1: not JSON"):
         read_records(bad, "nq")
     with pytest.raises(RagspecError, match="does not exist"):
         read_records(tmp_path / "missing.jsonl", "nq")

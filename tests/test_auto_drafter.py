@@ -16,7 +16,7 @@ from ragspec.decoding.drafters.suffix import SuffixDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.decoding.tree import DraftTree
 
-from test_suffix_drafter import FLAT, STEEP, cases, run, smol  # noqa: F401 (fixtures)
+from test_suffix_drafter import FLAT, STEEP, run
 
 
 class Garbage:
@@ -68,7 +68,7 @@ def test_auto_params_are_checked():
 
 @pytest.mark.parametrize("budget", ["fixed", "flat", "steep"])
 def test_auto_matches_generate(smol, cases, budget):  # noqa: F811
-    model, tok = smol
+    _model, tok = smol
     drafted = 0
     for prompt, ref in cases:
         b = {"fixed": 64, "flat": AdaptiveBudget(FLAT), "steep": AdaptiveBudget(STEEP)}[budget]

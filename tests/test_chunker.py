@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -58,7 +60,7 @@ def test_prefers_paragraph_boundaries(tokenizer):
 def test_overlap_repeats_text(tokenizer):
     text = " ".join(f"word{i}." for i in range(400))
     chunks = chunk_text(text, tokenizer, ChunkerSettings(40, 10))
-    for a, b in zip(chunks, chunks[1:]):
+    for a, b in itertools.pairwise(chunks):
         assert b.start < a.end  # consecutive windows overlap
         assert b.start > a.start
 

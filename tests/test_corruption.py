@@ -110,7 +110,7 @@ def test_sha256_once_per_file_version(built, tmp_path, monkeypatch):
     Index(copy, verify=True)
     assert len(calls) == 2 * hashed  # --verify always re-hashes
     _damage(copy / "embeddings.npy", "flip-middle")  # same size, new mtime/ctime: hashed again, and caught
-    with pytest.raises(integrity.IndexDamaged, match="embeddings.npy does not match its sha256"):
+    with pytest.raises(integrity.IndexDamaged, match=r"embeddings.npy does not match its sha256"):
         Index(copy)
 
 

@@ -15,53 +15,7 @@ from ragspec.decoding.drafters.trie import NgramTrieDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.decoding.tree import DraftTree
 
-PASSAGES = [
-    "The Danube is Europe's second-longest river. It rises in the Black Forest in Germany and flows "
-    "southeast for 2,850 km through ten countries before emptying into the Black Sea.",
-    "Photosynthesis converts light energy into chemical energy. In plants it takes place in chloroplasts, "
-    "which contain chlorophyll, and it releases oxygen as a by-product.",
-    "Python's open() function returns a file object. Mode 'a' opens a file for appending: every write goes "
-    "to the end of the file, whatever the current seek position is.",
-]
-QUESTIONS = [
-    ("Repeat the first sentence of the passage exactly.", 0),
-    ("Where does the Danube rise and where does it end? Quote the passage.", 0),
-    ("Summarize the passage in two sentences, copying its wording.", 1),
-    ("What does mode 'a' do? Answer with a quote from the passage.", 2),
-]
-
-
-@pytest.fixture(scope="module")
-def smol():
-    from ragspec.models.generator import load_generator
-
-    torch.manual_seed(0)
-    return load_generator("smollm2-135m-instruct")
-
-
-def chat_prompt(tokenizer, passage: str, question: str) -> list[int]:
-    messages = [{"role": "user", "content": f"Passage:\n{passage}\n\nQuestion: {question}"}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-
-
-def reference(model, prompt: list[int], max_new: int, eos: list[int]) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new, eos_token_id=eos,
-                             pad_token_id=eos[0], attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
-
-
-@pytest.fixture(scope="module")
-def cases(smol):
-    model, tok = smol
-    gen = SpeculativeGenerator(model, tok)
-    eos = sorted(gen.eos)
-    out = []
-    for question, p in QUESTIONS:
-        prompt = chat_prompt(tok, PASSAGES[p], question)
-        out.append((prompt, reference(model, prompt, 48, eos)))
-    return out
+from greedy_cases import chat_prompt, reference
 
 
 def run(smol, drafter, prompt, max_new=48, budget=64):
@@ -83,7 +37,7 @@ def pldplus_a():
 @pytest.mark.parametrize("make", [NoDraft, PromptLookupDrafter, NgramTrieDrafter, lambda: NgramTrieDrafter(n=24, lp=2),
                                   pldplus_h, pldplus_a], ids=["none", "pld", "trie", "trie-n24", "pldplus-h", "pldplus-a"])
 def test_drafters_match_generate(smol, cases, make):
-    model, tok = smol
+    _model, tok = smol
     accepted = 0
     for prompt, ref in cases:
         gen, text = run(smol, make(), prompt)
@@ -223,7 +177,7 @@ def test_attention_row_covers_the_cache(smol, cases):
     from ragspec.decoding.verifier import Verifier
 
     model, _ = smol
-    prompt, ref = cases[0]
+    prompt, _ref = cases[0]
     v = Verifier(model, attention_heads=((4, 0), (5, 3)))
     v.prefill(prompt)
     row = v.attention_row()

@@ -147,7 +147,7 @@ def test_suffix_drafts_keep_the_distribution(smol, method):
 
     model, tok = smol
     prompt = colour_prompt(tok)
-    p1, joint = exact_joint(model, prompt)
+    _p1, joint = exact_joint(model, prompt)
     drafter = SuffixDrafter() if method == "suffix" else make_drafter("auto")  # auto: suffix's and pld's trees
     state = DraftState(tokens=list(prompt), prompt_len=len(prompt))
     drafter.prepare(state)

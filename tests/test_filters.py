@@ -87,7 +87,9 @@ def test_filters_on_flat_and_ivf(indexes, embedder, kind):
 def test_a_selective_filter_still_fills_top_n(indexes, embedder, kind):
     idx = indexes[kind]
     flt = {"lang": "fr", "year": {"$in": [1992, 1995, 1998, 2001, 2004, 2007]}}  # 12 records
-    keep = lambda f: f.get("lang") == "fr" and f.get("year") in (1992, 1995, 1998, 2001, 2004, 2007)
+    def keep(f):
+        return f.get("lang") == "fr" and f.get("year") in (1992, 1995, 1998, 2001, 2004, 2007)
+
     allowed = {did for did, f in idx.store.metadata() if keep(f)}
     assert len(allowed) >= 8
     for mode in ("dense", "bm25", "hybrid"):

@@ -42,7 +42,7 @@ def test_full_disk_keeps_the_previous_index(small_disk, tmp_path, embedder):
     before = Index(target).folder
     for i in range(10):  # ~300 KB of text: the store (written before embedding) fills the disk, quickly
         (corpus / f"bulk{i}.txt").write_text(" ".join(f"word{i}_{j} alpha beta." for j in range(1200)))
-    with pytest.raises(RagspecError, match="no space left on the device while writing .*previous index is unchanged"):
+    with pytest.raises(RagspecError, match=r"no space left on the device while writing .*previous index is unchanged"):
         build_index(corpus, target, SMALL, embedder=embedder, show_progress=False)
     idx = Index(target, verify=True)
     assert idx.folder == before

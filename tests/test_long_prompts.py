@@ -65,7 +65,7 @@ def test_chunked_prefill_reports_progress_and_stays_identical_to_greedy(smol):
     for method in ("none", "suffix"):
         seen = []
         gen = SpeculativeGenerator(model, tok, make_drafter(method, model, tok), max_new_tokens=24, budget=16)
-        out = [t for d in gen.stream(prompt, on_progress=lambda done, total: seen.append((done, total)))
+        out = [t for d in gen.stream(prompt, on_progress=lambda done, total, seen=seen: seen.append((done, total)))
                for t in d.tokens]
         assert out == ref[: len(out)] and len(out) == len(ref), method
         total = len(prompt)  # the root too: the first token comes from the prefill's last row, as in `generate`

@@ -13,7 +13,7 @@ from ragspec.decoding.drafters.base import DraftState
 from ragspec.decoding.drafters.lookahead import LookaheadDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
 
-from test_engine_greedy import cases, check_limits_and_eos, run, smol  # noqa: F401 (fixtures)
+from test_engine_greedy import check_limits_and_eos, run
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
 STEEP = CostModel([1, 2, 4, 8, 16, 32, 64], [100, 200, 400, 800, 1600, 3200, 6400])
@@ -151,14 +151,14 @@ def test_llama_cpp_refuses_lookahead():
     from ragspec.decoding.backends.llama_cpp import LlamaCppBackend
     from ragspec.errors import RagspecError
 
-    with pytest.raises(RagspecError, match="lookahead decoding is not supported on llama.cpp"):
+    with pytest.raises(RagspecError, match=r"lookahead decoding is not supported on llama.cpp"):
         LlamaCppBackend(None, predictions=True)
 
 
 # -- on the model ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("budget", ["fixed", "flat", "steep"])
 def test_lookahead_matches_generate(smol, cases, budget):
-    model, tok = smol
+    _model, tok = smol
     drafted = 0
     for i, (prompt, ref) in enumerate(cases):
         b = {"fixed": 64, "flat": AdaptiveBudget(FLAT), "steep": AdaptiveBudget(STEEP)}[budget]

@@ -16,8 +16,7 @@ from ragspec.decoding.drafters.base import DraftState
 from ragspec.decoding.drafters.ngrammys import NgrammysDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
 
-from test_engine_greedy import PASSAGES, QUESTIONS, chat_prompt
-from test_suffix_drafter import cases, smol  # noqa: F401 (fixtures)
+from greedy_cases import PASSAGES, QUESTIONS, chat_prompt
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
 
@@ -47,7 +46,7 @@ def run(smol, d, prompt, max_new=48, budget=64):
 
 @pytest.mark.parametrize("extend,budget", [("chain", "fixed"), ("greedy", "fixed"), ("chain", "adaptive")])
 def test_ngrammys_matches_generate(smol, cases, rows_fn, tmp_path, extend, budget):
-    model, tok = smol
+    _model, tok = smol
     drafted = bigram = 0
     for prompt, ref in cases if extend == "chain" else cases[:2]:  # greedy rows cost more to compute
         d = drafter(rows_fn, tmp_path / f"{extend}.sqlite", extend=extend)
@@ -101,7 +100,7 @@ def test_rows_are_the_models_own_top_k(smol):
 
 
 def test_cache_is_reused_and_a_corrupt_one_ignored(smol, rows_fn, tmp_path):
-    model, tok = smol
+    _model, tok = smol
     prompt = chat_prompt(tok, PASSAGES[0], QUESTIONS[0][0])
     path = tmp_path / "b.sqlite"
     state = DraftState(tokens=list(prompt), prompt_len=len(prompt))
@@ -174,7 +173,7 @@ def test_ngrammys_drafts_keep_the_distribution(smol, rows_fn, tmp_path):
 
     model, tok = smol
     prompt = colour_prompt(tok)
-    p1, joint = exact_joint(model, prompt)
+    _p1, joint = exact_joint(model, prompt)
     d = drafter(rows_fn, tmp_path / "s.sqlite", k=6, w=3)
     state = DraftState(tokens=list(prompt), prompt_len=len(prompt))
     d.prepare(state)

@@ -127,7 +127,7 @@ def test_eight_threads_at_once(pipe, references):
     def work(i: int):
         try:
             results[i] = pipe.ask(QUESTIONS[i % 4]).text
-        except Exception as exc:  # reported below
+        except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
@@ -160,11 +160,11 @@ def test_oversized_context_is_trimmed_with_a_warning(pipe, smol):
 
 
 def test_bad_specs_name_the_key(index_path):
-    with pytest.raises(RagspecError, match="unknown key 'generator.modle'"):
+    with pytest.raises(RagspecError, match=r"unknown key 'generator.modle'"):
         Pipeline({"generator": {"modle": "x"}}, index_path)
     with pytest.raises(RagspecError, match="unknown parameter 'depth' for drafting method 'trie'"):
         Pipeline({"drafting": {"method": "trie", "params": {"depth": 3}}}, index_path)
-    with pytest.raises(RagspecError, match="drafting.method"):
+    with pytest.raises(RagspecError, match=r"drafting.method"):
         Pipeline({"drafting": {"method": "medusa"}}, index_path)
     with pytest.raises(RagspecError, match="no index"):
         Pipeline(SPEC).retrieve("anything")

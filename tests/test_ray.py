@@ -15,9 +15,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from ragspec.errors import RagspecError
-from ragspec.index.builder import build_index
-from ragspec.settings import IndexSettings
+from ragspec.errors import RagspecError  # noqa: E402 - after the skip that guards them
+from ragspec.index.builder import build_index  # noqa: E402
+from ragspec.settings import IndexSettings  # noqa: E402
 
 SETTINGS = IndexSettings(embedder="all-minilm-l6-v2", index_type="flat", chunk_tokens=128, overlap=16)
 QUERIES = [

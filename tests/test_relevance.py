@@ -165,7 +165,6 @@ def test_an_unsure_score_offers_the_model_to_decline(smol, gated):
 def test_the_gate_embeds_each_distinct_text_once():
     """A source of two sentences is its own only window: it is embedded once, and the score is the same as
     embedding every text apart."""
-    import numpy as np
 
     from ragspec.models.embedder import load_embedder
     from ragspec.pipeline.relevance import RelevanceGate, _whole

@@ -273,7 +273,7 @@ def test_serve_spec_section_is_validated():
     from ragspec.spec import load_spec
 
     assert load_spec({"serve": {"queue_size": 3}}).serve.queue_size == 3
-    with pytest.raises(RagspecError, match="unknown key 'serve.queue'"):
+    with pytest.raises(RagspecError, match=r"unknown key 'serve.queue'"):
         load_spec({"serve": {"queue": 3}})
 
 

@@ -15,7 +15,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 sync_api = pytest.importorskip("playwright.sync_api")
 
-from serve_util import SPEC, LiveServer, build_test_index, make_pipeline
+from serve_util import SPEC, LiveServer, build_test_index, make_pipeline  # noqa: E402 - after the skips
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 QUESTION = "Where does the Danube rise and where does it end?"

@@ -63,9 +63,9 @@ def test_copies_are_one_source_with_every_location(dup_index, embedder):
         "What does the global statement do?")
     top = next(h for h in hits if text_hash(h.text) == text_hash(SHARED))
     assert len(top.locations) == 2 and top.locations[1].kind == "copy"
-    assert {l.path.rsplit("/", 1)[-1] for l in top.locations} == {"naming.txt", "execmodel.txt"}
-    for l in top.locations:
-        assert read(l.path)[l.start:l.end] == l.text
+    assert {loc.path.rsplit("/", 1)[-1] for loc in top.locations} == {"naming.txt", "execmodel.txt"}
+    for loc in top.locations:
+        assert read(loc.path)[loc.start:loc.end] == loc.text
     assert sum(1 for h in hits if text_hash(h.text) == text_hash(SHARED)) == 1  # never two sources
 
 
@@ -79,11 +79,11 @@ def test_a_citation_names_both_copies_verbatim(dup_index, embedder):
     assert len(cites) == 1
     c = cites[0]
     assert (c.locations[0]["path"], c.locations[0]["start"], c.locations[0]["end"]) == (c.path, c.start, c.end)
-    names = [l["path"].rsplit("/", 1)[-1] for l in c.locations]
+    names = [loc["path"].rsplit("/", 1)[-1] for loc in c.locations]
     assert {"naming.txt", "execmodel.txt"} <= set(names) and len(names) == len(set(names))
-    for l in c.locations:  # each slice verbatim, with the whitespace its own file has
-        assert read(l["path"])[l["start"]:l["end"]] == l["quote"]
-        assert " ".join(l["quote"].split()) == SHARED
+    for loc in c.locations:  # each slice verbatim, with the whitespace its own file has
+        assert read(loc["path"])[loc["start"]:loc["end"]] == loc["quote"]
+        assert " ".join(loc["quote"].split()) == SHARED
     assert "\n" in c.locations[names.index("execmodel.txt")]["quote"]
 
 
@@ -95,7 +95,7 @@ def test_a_chunk_mostly_inside_a_source_adds_its_location(dup_index):
     ranked = [(shared[0], 0.9), (quoted.id, 0.8), (bread, 0.7)]
     groups = group_candidates(ranked, dup_index.store, 2, dup_index.store.document_text)
     assert len(groups) == 2 and groups[1].primary.chunk_ids == [bread]
-    assert [l.kind for l in groups[0].locations] == ["primary", "copy", "contained"]
+    assert [loc.kind for loc in groups[0].locations] == ["primary", "copy", "contained"]
     p = groups[0].primary
     m = CopyMatcher([SourceText(1, p.text, p.path, p.start, p.end, document_id=p.document_id,
                                 locations=groups[0].locations)], 3, 10)
@@ -225,4 +225,4 @@ def test_a_source_that_grows_over_another_takes_it_in():
     assert len(groups) == 1
     g = groups[0]
     assert (g.primary.start, g.primary.end, g.primary.text) == (0, len(a), a)
-    assert [(l.document_id, l.kind) for l in g.locations] == [(1, "primary"), (2, "contained")]
+    assert [(loc.document_id, loc.kind) for loc in g.locations] == [(1, "primary"), (2, "contained")]

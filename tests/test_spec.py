@@ -18,9 +18,9 @@ def test_shipped_specs_validate():
 def test_unknown_key_is_named(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("index:\n  chunk_tokns: 100\n")
-    with pytest.raises(RagspecError, match="unknown key 'index.chunk_tokns'"):
+    with pytest.raises(RagspecError, match=r"unknown key 'index.chunk_tokns'"):
         load_spec(p)
-    with pytest.raises(RagspecError, match="retriever.top_n"):
+    with pytest.raises(RagspecError, match=r"retriever.top_n"):
         load_spec({"retriever": {"top_n": 0}})
     with pytest.raises(RagspecError, match="does not exist"):
         load_spec(Path(tmp_path / "missing.yaml"))

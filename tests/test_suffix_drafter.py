@@ -15,7 +15,8 @@ from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.decoding.memory import AnswerMemory
 from ragspec.decoding.tree import DraftTree
 
-from test_engine_greedy import PASSAGES, QUESTIONS, cases, chat_prompt, reference, run, smol  # noqa: F401 (fixtures)
+from greedy_cases import chat_prompt, reference
+from test_engine_greedy import run
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
 MID = CostModel([1, 2, 4, 8, 16, 32, 64], [100 + 20 * (n - 1) for n in (1, 2, 4, 8, 16, 32, 64)])
@@ -24,7 +25,7 @@ STEEP = CostModel([1, 2, 4, 8, 16, 32, 64], [100, 200, 400, 800, 1600, 3200, 640
 
 @pytest.mark.parametrize("budget", ["fixed", "flat", "steep"])
 def test_suffix_matches_generate(smol, cases, budget):
-    model, tok = smol
+    _model, tok = smol
     drafted = 0
     for prompt, ref in cases:
         b = {"fixed": 64, "flat": AdaptiveBudget(FLAT), "steep": AdaptiveBudget(STEEP)}[budget]

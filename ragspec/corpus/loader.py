@@ -113,7 +113,7 @@ def read_file(src: SourceFile, report: ScanReport) -> list[Document]:
     except SkipFile as exc:
         report.skipped.append((src.rel, str(exc)))
         return []
-    except Exception as exc:  # a parser bug on odd input (malformed HTML, …) loses this file, not the run
+    except Exception as exc:  # noqa: BLE001 - a parser bug on odd input (malformed HTML, …) loses this file, not the run
         report.skipped.append((src.rel, f"unreadable ({type(exc).__name__}: {exc})"))
         return []
     if encoding not in ("utf-8", "pdf"):

@@ -50,7 +50,7 @@ def decode(data: bytes) -> tuple[str, str]:
             best = from_bytes(data).best()
             if best is not None and best.encoding:
                 return data.decode(best.encoding), best.encoding
-        except Exception:  # a detector failure must not lose the file
+        except Exception:  # noqa: BLE001 - a detector failure must not lose the file
             pass
     try:  # short texts: the most common non-UTF-8 encoding, then the one that never fails
         return data.decode("cp1252"), "cp1252"
@@ -153,7 +153,7 @@ def pdf_text(data: bytes) -> str:
     try:
         reader = PdfReader(io.BytesIO(data))
         return "\n\n".join((page.extract_text() or "").strip() for page in reader.pages).strip()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - pypdf raises many kinds on a malformed file
         raise SkipFile(f"unreadable PDF ({type(exc).__name__}: {exc})") from None
 
 

@@ -68,7 +68,7 @@ def score_heads(attentions, seq: list[int], prompt_len: int) -> tuple[torch.Tens
         if not cands:
             continue
 
-        def overlap(p: int) -> int:
+        def overlap(p: int, t: int = t) -> int:
             k = 0
             while p - k - 1 >= 0 and seq[p - k - 1] == seq[t - k - 1] and k < 32:
                 k += 1
@@ -111,7 +111,7 @@ def calibrate_heads(model, tokenizer, top: int = 16, new_tokens: int = 64, cache
     folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"top": top, "heads": heads, "scored_tokens": scored,
-                               "rates": [round(float(rate[l, h]), 4) for l, h in heads], "key": path.stem}, indent=2))
+                               "rates": [round(float(rate[layer, head]), 4) for layer, head in heads], "key": path.stem}, indent=2))
     tmp.replace(path)
     return heads
 

@@ -199,12 +199,12 @@ def read_specbench(path: Path, limit: int | None = None) -> list[QARecord]:
         turns = _need(rec, "turns", path, n, list)
         if not turns or not isinstance(turns[0], str):
             raise RagspecError(f"{path}:{n}: 'turns' should hold the prompt text")
-        lines = [l for l in turns[0].split("\n") if l.strip()]
+        lines = [line for line in turns[0].split("\n") if line.strip()]
         if len(lines) < 2:
             raise RagspecError(f"{path}:{n}: a rag prompt should be passages, one per line, then the question")
         refs = _strings(rec.get("reference") or [])
         out.append(QARecord(str(rec.get("question_id", n)), lines[-1].strip(), refs,
-                            [("", l) for l in lines[:-1]], True))
+                            [("", line) for line in lines[:-1]], True))
         if limit and len(out) >= limit:
             break
     if not out:

@@ -209,7 +209,7 @@ def select(counts: list[list[tuple[PRF, PRF]]], groups: list[list[int]], min_pre
     the earlier setting."""
     if criterion not in CRITERIA:
         raise RagspecError(f"criterion must be one of {CRITERIA}, not {criterion!r}")
-    parts = [sum(groups, [])] if criterion == "pooled" else groups
+    parts = [[i for g in groups for i in g]] if criterion == "pooled" else groups
     scored = []
     for s, per_rec in enumerate(counts):
         figs = [sum((per_rec[i][1] for i in g), PRF()).as_dict() for g in parts]
@@ -231,7 +231,7 @@ def cross_validate(prepared: list[Prepared], k: int, grid: list[dict] | None = N
     out = []
     for f in range(k):
         groups = [[i for i, g in enumerate(folds) if g == h] for h in range(k) if h != f]
-        train = sum(groups, [])
+        train = [i for g in groups for i in g]
         test = [i for i, g in enumerate(folds) if g == f]
         s = select(counts, groups, min_precision, criterion)
         cop = sum((counts[s][i][0] for i in test), PRF())

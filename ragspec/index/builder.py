@@ -70,7 +70,7 @@ class _Reuse:
 def build_index(
     corpus: Path | str,
     target: Path | str,
-    settings: IndexSettings = IndexSettings(),
+    settings: IndexSettings | None = None,
     embedder=None,
     show_progress: bool = True,
     reuse_from: Path | str | None = None,
@@ -83,6 +83,7 @@ def build_index(
     `reuse_from` seeds a new target from another index of the same corpus (e.g. an IVF-PQ twin of an exact
     index) so its vectors are not computed twice.
     """
+    settings = settings or IndexSettings()
     t0 = time.perf_counter()
     corpus_given = str(corpus)
     corpus = Path(corpus)

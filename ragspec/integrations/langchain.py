@@ -261,8 +261,8 @@ class RagspecRetriever(BaseRetriever):
         return [Document(page_content=h.text, id=str(h.chunk_id),
                          metadata={"source": h.path, "chunk_id": h.chunk_id, "start": h.start, "end": h.end,
                                    "score": h.score, "rank": h.rank, "title": h.title, "key": h.key,
-                                   "locations": [{"source": l.path, "key": l.key, "start": l.start, "end": l.end}
-                                                 for l in h.locations]})
+                                   "locations": [{"source": loc.path, "key": loc.key, "start": loc.start, "end": loc.end}
+                                                 for loc in h.locations]})
                 for h in hits]
 
     async def _aget_relevant_documents(self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun,

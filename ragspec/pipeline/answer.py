@@ -39,8 +39,8 @@ def source_json(s: SourceText) -> dict:
     return {"source": s.number, "path": s.path, "start": s.start, "end": s.end, "score": round(s.score, 6),
             "key": s.key, "title": s.title, "chunk_id": s.chunk_id, "document_id": s.document_id, "lines": list(s.lines) if s.lines else None,
             "text": s.text,
-            "locations": [{"path": l.path, "key": l.key, "start": l.start, "end": l.end, "document_id": l.document_id,
-                           "kind": l.kind} for l in s.locations]}
+            "locations": [{"path": loc.path, "key": loc.key, "start": loc.start, "end": loc.end, "document_id": loc.document_id,
+                           "kind": loc.kind} for loc in s.locations]}
 
 
 @dataclass

@@ -148,7 +148,7 @@ class PromptBuilder:
     def render(self, messages: list[dict]) -> str:
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception:  # templates without a system role: fold the instruction into the user turn
+        except Exception:  # noqa: BLE001 - templates without a system role: fold the instruction into the user turn
             merged = [{"role": "user", "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}] + messages[2:]
             return self.tokenizer.apply_chat_template(merged, add_generation_prompt=True, tokenize=False)
 

@@ -105,7 +105,9 @@ def _test(field: str, op: str, bound: Any) -> Predicate:
     if op in ("$in", "$nin"):
         if not isinstance(bound, (list, tuple)):
             raise RagspecError(f"{op} on '{field}' takes a list")
-        hit = lambda d: field in d and any(_equal(d[field], b) for b in bound)
+        def hit(d: dict) -> bool:
+            return field in d and any(_equal(d[field], b) for b in bound)
+
         return hit if op == "$in" else (lambda d: not hit(d))
     if op == "$glob":
         return lambda d: isinstance(d.get(field), str) and fnmatch.fnmatchcase(d[field], str(bound))

@@ -45,18 +45,18 @@ class Hit:
         d = asdict(self)
         out = {k: d[k] for k in ("rank", "score", "path", "start", "end", "text", "chunk_id", "key", "title",
                                  "stages", "document_id", "chunk_ids")}
-        out["locations"] = [{"path": l.path, "key": l.key, "start": l.start, "end": l.end, "document_id": l.document_id,
-                             "chunk_ids": list(l.chunk_ids), "kind": l.kind} for l in self.locations]
+        out["locations"] = [{"path": loc.path, "key": loc.key, "start": loc.start, "end": loc.end, "document_id": loc.document_id,
+                             "chunk_ids": list(loc.chunk_ids), "kind": loc.kind} for loc in self.locations]
         return out
 
 
 class Retriever:
     """Search one index. Thread-safe: the embedder and reranker are guarded by a lock."""
 
-    def __init__(self, index: Index | str, settings: RetrieverSettings = RetrieverSettings(), embedder=None,
+    def __init__(self, index: Index | str, settings: RetrieverSettings | None = None, embedder=None,
                  device: str = "cpu"):
         self.index = index if isinstance(index, Index) else Index(index, device=device)
-        self.settings = settings
+        self.settings = settings = settings or RetrieverSettings()
         self._embedder = embedder
         self._device = device
         self._reranker = None
@@ -198,8 +198,8 @@ class Retriever:
             p = g.primary
             cid = p.chunk_ids[0]
             stages = {name: round(s[cid], 6) for name, s in info["stages"].items() if cid in s}
-            locations = [Location(l.document_id, self.index.source_path(l.path), l.key, l.title, l.start, l.end,
-                                  l.text, list(l.chunk_ids), l.kind) for l in g.locations]
+            locations = [Location(loc.document_id, self.index.source_path(loc.path), loc.key, loc.title, loc.start, loc.end,
+                                  loc.text, list(loc.chunk_ids), loc.kind) for loc in g.locations]
             hits.append(Hit(rank, float(g.score), cid, p.document_id, locations[0].path, p.key, p.title, p.start,
                             p.end, p.text, stages, list(p.chunk_ids), locations))
         return hits

@@ -64,7 +64,10 @@ def group_candidates(ranked: list[tuple[int, float]], store, top_n: int, documen
     """Distinct sources, best first, from candidates (chunk id, score) ranked best first."""
     texts: dict[int, str] = {}
     fetch = document_text
-    document_text = lambda d: texts[d] if d in texts else texts.setdefault(d, fetch(d))
+
+    def document_text(d: int) -> str:  # each document read once per call
+        return texts[d] if d in texts else texts.setdefault(d, fetch(d))
+
     ids = [c for c, _ in ranked]
     rows = {r.id: r for r in store.chunks(ids)}
     copies = store.copies(r.hash for r in rows.values())
@@ -85,7 +88,7 @@ def group_candidates(ranked: list[tuple[int, float]], store, top_n: int, documen
         if target is not None:
             _extend(target, row, document_text)
             _absorb_neighbours(groups, target, document_text)
-            target.locations.extend(l for l in locs[1:] if not _holds(target, l))
+            target.locations.extend(loc for loc in locs[1:] if not _holds(target, loc))
             if min_containment is not None:
                 _absorb_contained(groups, target, min_containment)
             continue
@@ -93,10 +96,10 @@ def group_candidates(ranked: list[tuple[int, float]], store, top_n: int, documen
         if min_containment is not None:
             home = next((g for g in groups if containment(sh, g.shingles) >= min_containment), None)
             if home is not None:
-                for l in locs:
-                    l.kind = "copy" if l.kind == "copy" else "contained"
-                    if not _holds(home, l):
-                        home.locations.append(l)
+                for loc in locs:
+                    loc.kind = "copy" if loc.kind == "copy" else "contained"
+                    if not _holds(home, loc):
+                        home.locations.append(loc)
                 continue
         groups.append(Group(score, locs, sh))
     return groups
@@ -140,7 +143,7 @@ def _absorb_neighbours(groups: list[Group], g: Group, document_text: Callable[[i
             p.start, p.end = min(p.start, q.start), max(p.end, q.end)
             p.chunk_ids = sorted(set(p.chunk_ids) | set(q.chunk_ids))
             p.text = document_text(p.document_id)[p.start:p.end]
-            g.locations.extend(l for l in other.locations[1:] if not _holds(g, l))
+            g.locations.extend(loc for loc in other.locations[1:] if not _holds(g, loc))
             g.score = max(g.score, other.score)
             groups.remove(other)
     g.shingles = shingles(p.text)
@@ -150,12 +153,13 @@ def _absorb_contained(groups: list[Group], g: Group, min_containment: float) -> 
     """After `g` grew, a source now mostly inside it becomes one of its locations, freeing a place."""
     for other in [o for o in groups if o is not g]:
         if containment(other.shingles, g.shingles) >= min_containment:
-            for l in other.locations:
-                l.kind = "copy" if l.kind == "copy" else "contained"
-                if not _holds(g, l):
-                    g.locations.append(l)
+            for loc in other.locations:
+                loc.kind = "copy" if loc.kind == "copy" else "contained"
+                if not _holds(g, loc):
+                    g.locations.append(loc)
             groups.remove(other)
 
 
 def _holds(g: Group, loc: Location) -> bool:
-    return any(l.document_id == loc.document_id and l.start <= loc.start and loc.end <= l.end for l in g.locations)
+    return any(held.document_id == loc.document_id and held.start <= loc.start and loc.end <= held.end
+               for held in g.locations)

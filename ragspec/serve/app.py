@@ -159,7 +159,7 @@ class Server:
             except Cancelled:  # stopped inside a prefill or between decode steps
                 with self._lock:
                     self.cancelled += 1
-            except BaseException as exc:  # handed to the consumer
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 put(exc)
             finally:
                 if it is not None and hasattr(it, "close"):

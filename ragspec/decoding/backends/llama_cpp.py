@@ -124,7 +124,7 @@ class LlamaCppModel:
     def __del__(self):
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a destructor never raises
             pass
 
     # -- primitives the backend, the calibration and the tests share ---------------------------------------

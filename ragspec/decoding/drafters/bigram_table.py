@@ -104,7 +104,7 @@ class BigramTable:
                  if len(r) == self.k and all(len(x) == self.w for x in r)]
         if not items:
             return
-        for attempt in range(2):
+        for _attempt in range(2):
             try:
                 with closing(self._connect()) as db:
                     with db:  # one transaction: all rows or none
