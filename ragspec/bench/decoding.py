@@ -24,7 +24,7 @@ from ragspec.decoding.drafters import METHODS, make_drafter
 from ragspec.decoding.drafters.base import DraftState
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.errors import RagspecError
-from ragspec.models.cpu_flags import read_cpuinfo
+from ragspec.cpu_flags import read_cpuinfo
 from ragspec.models.machine import machine_info
 
 HF_METHODS = ("vanilla", "hf-pld")

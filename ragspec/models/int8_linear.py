@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ragspec.errors import RagspecError
-from ragspec.models.cpu_flags import native_int8
+from ragspec.cpu_flags import native_int8
 
 log = logging.getLogger(__name__)
 
