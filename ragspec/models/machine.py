@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from ragspec.errors import RagspecError
 from ragspec.cpu_flags import flags_hash, read_cpuinfo
+from ragspec.errors import RagspecError
 from ragspec.paths import ragspec_home
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
