@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from ragspec.decoding.backends import is_llama
+from ragspec.cpu_flags import read_cpuinfo
+from ragspec.decoding.backends import calibrate, is_llama
 from ragspec.decoding.backends.base import PREFILL_CHUNK
-from ragspec.decoding.budget import AdaptiveBudget, calibrate
+from ragspec.decoding.budget import AdaptiveBudget
 from ragspec.decoding.drafters import METHODS, make_drafter
 from ragspec.decoding.drafters.base import DraftState
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.errors import RagspecError
-from ragspec.cpu_flags import read_cpuinfo
 from ragspec.models.machine import machine_info
 
 HF_METHODS = ("vanilla", "hf-pld")
