@@ -420,9 +420,9 @@ def _main(argv: list[str]) -> None:
     import torch
 
     torch.set_num_threads(int(threads))
-    from ragspec.cli import _quiet_libraries
+    from ragspec.console import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     print(json.dumps(measure_candidate(model, backend, dtype)), flush=True)
 
 
