@@ -41,6 +41,12 @@ def cpu_info() -> dict:
     return {"model": model, "threads": torch.get_num_threads(), "flags": sorted(keep)}
 
 
+def bench_machine() -> dict:
+    """The bench JSON's one "machine" block: the CPU (model, threads, cores, every SIMD flag of `cpu_info`) and
+    its measured matmul ceilings (`models.machine.machine_info`)."""
+    return machine_info() | {"flags": cpu_info()["flags"]}
+
+
 def load_prompts(path: Path, category: str, limit: int | None, offset: int = 0) -> list[dict]:
     """Prompts of one category, of several (`a,b,c`: in that order, so a long `all` run can be split across
     processes and its parts merged), or of every category (`all`, file order); `offset` and `limit` apply per
@@ -264,7 +270,7 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
     per_prompt: list[dict] = []  # each prompt's time and tokens per method: a noisy prompt can be seen
     head = {"model": model_name, "category": category, "max_new_tokens": max_new_tokens,
             "budget": budget if isinstance(budget, int) else "auto", "cost_model": cost.as_dict() if cost else None,
-            "cpu": cpu_info(), "machine": machine_info(), "device": str(getattr(model, "device", "cpu")),
+            "machine": bench_machine(), "device": str(getattr(model, "device", "cpu")),
             "backend": "llama.cpp" if is_llama(model) else "transformers"}
 
     def summary(done: int) -> dict:

@@ -225,7 +225,7 @@ def _merge_runs(paths: list[str], json_out: Optional[Path]) -> None:
         out.print("[yellow]some merged categories were stopped before their last prompt (\"complete\": false)[/]")
     machines: dict[str, list[str]] = {}  # parts may come from other machines: each CPU with its categories
     for cat, r in result["categories"].items():
-        machines.setdefault(_cpu_line(r["cpu"]), []).append(cat)
+        machines.setdefault(_cpu_line(r.get("machine") or r["cpu"]), []).append(cat)  # "cpu": an older run
     for line, cats in machines.items():
         out.print(line + (f" ({', '.join(cats)})" if len(machines) > 1 else ""))
 
@@ -252,12 +252,12 @@ def _category_table(result: dict, model: str, backend: str, max_new_tokens: int)
     return t
 
 
-def _cpu_line(cpu: dict) -> str:
-    return f"CPU: {cpu['model']} · {cpu['threads']} threads · {' '.join(cpu['flags'])}"
+def _cpu_line(machine: dict) -> str:
+    return f"CPU: {machine['model']} · {machine['threads']} threads · {' '.join(machine['flags'])}"
 
 
 def _print_machine(out, result: dict) -> None:
-    out.print(_cpu_line(result["cpu"]))
+    out.print(_cpu_line(result["machine"]))
     mm = result["machine"]["matmul_gflops"]
     out.print("matmul ceilings (GFLOP/s): " + " · ".join(f"{k} {mm[k]}" for k in ("float32", "bfloat16", "int8")
                                                          if k in mm))
