@@ -17,7 +17,8 @@ import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from ragspec.bench.decoding import cpu_info, top2_margin
-from ragspec.decoding.budget import AdaptiveBudget, calibrate
+from ragspec.decoding.backends import calibrate
+from ragspec.decoding.budget import AdaptiveBudget
 from ragspec.decoding.drafters import make_drafter
 from ragspec.decoding.drafters.oracle import OracleDrafter
 from ragspec.decoding.generate import SpeculativeGenerator

@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def machine_line() -> str:
-    from ragspec.models.cpu_flags import cpu_flags, read_cpuinfo
+    from ragspec.cpu_flags import cpu_flags, read_cpuinfo
 
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "fma", "f16c")
     return f"CPU: {read_cpuinfo()[0]} · {os.cpu_count()} cores · {' '.join(f for f in wanted if f in cpu_flags())}"

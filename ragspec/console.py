@@ -1,8 +1,10 @@
-"""The one rich console ragspec prints progress and warnings to (stderr, so stdout stays parseable)."""
+"""The one rich console ragspec prints progress and warnings to (stderr, so stdout stays parseable), and
+`quiet_libraries`, which keeps the libraries' own warnings, logs and progress bars off it."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 from rich.console import Console
@@ -90,3 +92,25 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} GB"
+
+
+def quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    logging.getLogger("bm25s").setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except Exception:  # transformers missing or changed: cosmetic only
+        pass

@@ -21,7 +21,7 @@ from ragspec.decoding.drafters.pld import PromptLookupDrafter
 from ragspec.decoding.drafters.suffix import SuffixDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.errors import RagspecError
-from ragspec.models.cpu_flags import native_bf16, native_int8
+from ragspec.cpu_flags import native_bf16, native_int8
 from ragspec.models.cpu_linear import PackedLinear, bf16_packing_available
 from ragspec.models.int8_linear import EXACT_SLICE, Int8Linear
 

@@ -13,7 +13,7 @@ from ragspec.errors import RagspecError
 from ragspec.index import manifest
 from ragspec.index.builder import build_index
 from ragspec.index.reader import Index
-from ragspec.retrieve.filters import parse_where
+from ragspec.index.filters import parse_where
 from ragspec.retrieve.retriever import Retriever
 from ragspec.settings import IndexSettings, RetrieverSettings
 

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from ragspec.decoding.backends import is_llama
+from ragspec.cpu_flags import read_cpuinfo
+from ragspec.decoding.backends import calibrate, is_llama
 from ragspec.decoding.backends.base import PREFILL_CHUNK
-from ragspec.decoding.budget import AdaptiveBudget, calibrate
+from ragspec.decoding.budget import AdaptiveBudget
 from ragspec.decoding.drafters import METHODS, make_drafter
 from ragspec.decoding.drafters.base import DraftState
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.errors import RagspecError
-from ragspec.models.cpu_flags import read_cpuinfo
 from ragspec.models.machine import machine_info
 
 HF_METHODS = ("vanilla", "hf-pld")
@@ -39,6 +39,12 @@ def cpu_info() -> dict:
     model, flags = read_cpuinfo()
     keep = [x for x in flags if x.startswith(("avx", "amx", "fma", "f16c")) or x in ("sse4_2",)]
     return {"model": model, "threads": torch.get_num_threads(), "flags": sorted(keep)}
+
+
+def bench_machine() -> dict:
+    """The bench JSON's one "machine" block: the CPU (model, threads, cores, every SIMD flag of `cpu_info`) and
+    its measured matmul ceilings (`models.machine.machine_info`)."""
+    return machine_info() | {"flags": cpu_info()["flags"]}
 
 
 def load_prompts(path: Path, category: str, limit: int | None, offset: int = 0) -> list[dict]:
@@ -264,7 +270,7 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
     per_prompt: list[dict] = []  # each prompt's time and tokens per method: a noisy prompt can be seen
     head = {"model": model_name, "category": category, "max_new_tokens": max_new_tokens,
             "budget": budget if isinstance(budget, int) else "auto", "cost_model": cost.as_dict() if cost else None,
-            "cpu": cpu_info(), "machine": machine_info(), "device": str(getattr(model, "device", "cpu")),
+            "machine": bench_machine(), "device": str(getattr(model, "device", "cpu")),
             "backend": "llama.cpp" if is_llama(model) else "transformers"}
 
     def summary(done: int) -> dict:

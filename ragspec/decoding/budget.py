@@ -1,9 +1,10 @@
 """Cost-aware draft budget: how many tree nodes are worth verifying on this model and device.
 
 On a CPU the forward cost grows with the number of tokens checked (n-grammys-batched-speculation.txt §3:
-memory-bound for a few tokens, compute-bound beyond), so a bigger tree is not free. We measure the verify
-forward time t(n) for n input tokens once per model/device/dtype (cached as JSON), track how often the
-drafter's node of each rank is accepted, and take the tree size k that maximises expected tokens per ms:
+memory-bound for a few tokens, compute-bound beyond), so a bigger tree is not free. The model's backend measures
+the verify forward time t(n) for n input tokens once per model/device/dtype (`backends.calibrate`, cached as
+JSON); here we track how often the drafter's node of each rank is accepted, and take the tree size k that
+maximises expected tokens per ms:
 
     rate(k) = (1 + Σ_{r<k} accept_rate[r]) / t(1 + k)
 
@@ -15,11 +16,7 @@ nodes that accepted 8–9 tokens per step but ran slower than 9-node PLD chains.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
-
-from ragspec.paths import ragspec_home
 
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -46,35 +43,6 @@ class CostModel:
 
     def as_dict(self) -> dict:
         return {"sizes": self.sizes, "ms": [round(x, 3) for x in self.ms]}
-
-
-def _model_key(model) -> str:
-    """The calibration cache key of a loaded model (its backend decides what goes in it)."""
-    from ragspec.decoding.backends import backend_class
-
-    return backend_class(model).cost_key(model)
-
-
-def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | None = None, force: bool = False,
-              sizes=SIZES) -> CostModel:
-    """Measure (or load) t(n): the median wall time of a forward of n tokens over a `context`-token cache.
-    The model's backend measures (transformers or llama.cpp); the cache file is keyed by its `cost_key`."""
-    from ragspec.decoding.backends import backend_class
-
-    backend = backend_class(model)
-    folder = cache_dir or ragspec_home() / "calibration"
-    path = folder / f"{backend.cost_key(model)}.json"
-    if path.exists() and not force:
-        data = json.loads(path.read_text())
-        return CostModel(data["sizes"], data["ms"])
-    ms = backend.measure_costs(model, context, repeats, list(sizes))
-    model_cost = CostModel(list(sizes), ms)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(model_cost.as_dict() | {"context": context, "key": path.stem, "backend": backend.name},
-                              indent=2))
-    tmp.replace(path)
-    return model_cost
 
 
 def monotone(ms: list[float]) -> list[float]:

@@ -1,4 +1,4 @@
-"""Induction-head calibration for PLD+ (a) (pld-plus.txt §4.2.1), and the attention capture it drives.
+"""Induction-head calibration for PLD+ (a) (pld-plus.txt §4.2.1); the capture itself is `backends.attention`.
 
 Calibration: greedy-generate continuations of context-heavy prompts, then one teacher-forced forward with
 eager attention. For every generated token o_t that occurs in the prompt, r* is its prompt position with the
@@ -11,35 +11,21 @@ with quotes — real text, available offline.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
 import torch
 
+from ragspec.decoding.backends.attention import eager_attention
 from ragspec.paths import ragspec_home
 
 TOPICS = ("with", "assignment", "exceptions", "for", "function", "import", "class", "try")
 
 
 def _key(model) -> str:
-    from ragspec.decoding.budget import _model_key
+    from ragspec.decoding.backends import cost_key
 
-    return _model_key(model)
-
-
-@contextlib.contextmanager
-def eager_attention(model):
-    """Run the block with eager attention (attention weights are computed and returned), then restore."""
-    before = model.config._attn_implementation
-    if before == "eager":
-        yield
-        return
-    model.set_attn_implementation("eager")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(before)
+    return cost_key(model)
 
 
 def calibration_prompts(tokenizer, n: int = 6, chars: int = 1800) -> list[list[int]]:
@@ -114,44 +100,3 @@ def calibrate_heads(model, tokenizer, top: int = 16, new_tokens: int = 64, cache
                                "rates": [round(float(rate[layer, head]), 4) for layer, head in heads], "key": path.stem}, indent=2))
     tmp.replace(path)
     return heads
-
-
-class AttentionCapture:
-    """Forward hooks on the chosen layers' attention modules keeping the chosen heads' weights of the last
-    forward (eager attention only): [rows, keys] per head, max-aggregated over heads (Eq. 2)."""
-
-    def __init__(self, model, heads: list[tuple[int, int]]):
-        self.by_layer: dict[int, list[int]] = {}
-        for layer, head in heads:
-            self.by_layer.setdefault(int(layer), []).append(int(head))
-        self.rows: torch.Tensor | None = None
-        self._handles = []
-        layers = _decoder_layers(model)
-        for li, hs in self.by_layer.items():
-            self._handles.append(layers[li].self_attn.register_forward_hook(self._hook(hs)))
-
-    def _hook(self, heads: list[int]):
-        def hook(module, args, output):
-            weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-            if weights is None:
-                return
-            w = weights[0, heads].amax(dim=0).float()  # [rows, keys]
-            self.rows = w if self.rows is None else torch.maximum(self.rows, w)
-
-        return hook
-
-    def reset(self) -> None:
-        self.rows = None
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-
-def _decoder_layers(model):
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: no decoder layers found for attention capture")
-    return layers

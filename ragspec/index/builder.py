@@ -264,7 +264,7 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
         index = faiss_index.build(vectors, plan, use_gpu=settings.device == "cuda")
         faiss_index.write(index, tmp / FAISS)
     if settings.bm25:
-        from ragspec.retrieve import bm25
+        from ragspec.index import bm25
 
         with console.status("BM25") if show_progress else _null():
             bm25.build(all_texts, tmp / BM25_DIR)

@@ -8,7 +8,9 @@ import threading
 from pathlib import Path
 
 from ragspec.errors import RagspecError
-from ragspec.index import faiss_index, integrity, manifest
+from ragspec.index.faiss_index import read as read_faiss
+from ragspec.index.integrity import check as check_integrity
+from ragspec.index.manifest import load as load_manifest
 from ragspec.index.store import Store
 
 
@@ -21,9 +23,9 @@ class Index:
         if not (self.path.exists() or self.path.is_symlink()):
             raise RagspecError(f"no index at {self.path}; build one with `ragspec index CORPUS`")
         self.folder = self.path.resolve()
-        self.manifest = manifest.load(self.folder, str(self.path))
+        self.manifest = load_manifest(self.folder, str(self.path))
         # every file is checked before any is read: size always, sha256 once per process per file version
-        integrity.check(self.folder, self.manifest["files"], str(self.path), rehash=verify)
+        check_integrity(self.folder, self.manifest["files"], str(self.path), rehash=verify)
         self.store = Store(self.folder / "store.sqlite")
         self._faiss = None
         self._bm25 = None
@@ -48,7 +50,7 @@ class Index:
     def faiss(self):
         with self._lock:
             if self._faiss is None:
-                self._faiss = faiss_index.read(
+                self._faiss = read_faiss(
                     self.folder / "faiss.index", self.manifest["faiss"], use_gpu=self.device == "cuda"
                 )
             return self._faiss
@@ -59,7 +61,7 @@ class Index:
             return None
         with self._lock:
             if self._bm25 is None:
-                from ragspec.retrieve.bm25 import BM25Index
+                from ragspec.index.bm25 import BM25Index
 
                 self._bm25 = BM25Index(self.folder / "bm25")
             return self._bm25
@@ -78,7 +80,7 @@ class Index:
         """Chunk ids (sorted int64) of the documents a filter keeps; an unknown field is one error line."""
         import numpy as np
 
-        from ragspec.retrieve.filters import compile_filter
+        from ragspec.index.filters import compile_filter
 
         with self._lock:
             if self._fields is None:

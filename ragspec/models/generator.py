@@ -54,7 +54,7 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
     from ragspec.models.cpu_linear import pack_linears
 
     if device == "cpu" and dtype == "bfloat16":
-        from ragspec.models.cpu_flags import native_bf16
+        from ragspec.cpu_flags import native_bf16
 
         if not native_bf16():
             log.warning("generator dtype bfloat16: this CPU has no native bf16 (AVX512_BF16/AMX), so it runs "

@@ -30,8 +30,8 @@ import time
 import torch
 from torch import nn
 
+from ragspec.cpu_flags import native_int8
 from ragspec.errors import RagspecError
-from ragspec.models.cpu_flags import native_int8
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from ragspec.cpu_flags import flags_hash, read_cpuinfo
 from ragspec.errors import RagspecError
-from ragspec.models.cpu_flags import flags_hash, read_cpuinfo
 from ragspec.paths import ragspec_home
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
@@ -420,9 +420,9 @@ def _main(argv: list[str]) -> None:
     import torch
 
     torch.set_num_threads(int(threads))
-    from ragspec.cli import _quiet_libraries
+    from ragspec.console import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     print(json.dumps(measure_candidate(model, backend, dtype)), flush=True)
 
 

@@ -116,7 +116,7 @@ class Pipeline:
             if self._tokenizer is None:
                 raise RagspecError("a model was given without its tokenizer")
             if self._cost is None and self.spec.drafting.budget == "auto" and self.spec.drafting.method != "none":
-                from ragspec.decoding.budget import calibrate
+                from ragspec.decoding.backends import calibrate
 
                 self._cost = calibrate(self._model)
         return self

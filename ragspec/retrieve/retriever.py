@@ -11,7 +11,7 @@ import numpy as np
 
 from ragspec.errors import RagspecError
 from ragspec.index.reader import Index
-from ragspec.retrieve.filters import as_filter
+from ragspec.index.filters import as_filter
 from ragspec.retrieve.fusion import rrf
 from ragspec.retrieve.mmr import mmr
 from ragspec.retrieve.sources import Location, group_candidates

@@ -1,9 +1,15 @@
 """Verifier backends: `transformers` (a Hugging Face model, the default) and `llama.cpp` (a GGUF run by
-llama-cpp-python). The loop asks `make_backend` for one per generation; nothing else looks at which."""
+llama-cpp-python). The loop asks `make_backend` for one per generation; nothing else looks at which.
+`calibrate` has the model's backend measure the forward cost t(n) the draft budget plans with."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from ragspec.decoding.backends.base import Backend, StepResult
+from ragspec.decoding.budget import SIZES, CostModel
+from ragspec.paths import ragspec_home
 
 NAMES = ("transformers", "llama.cpp")
 
@@ -31,4 +37,29 @@ def make_backend(model, sampling, hidden_layer=None, attention_heads=(), predict
     return backend_class(model)(model, sampling, hidden_layer=hidden_layer, attention_heads=attention_heads)
 
 
-__all__ = ["Backend", "NAMES", "StepResult", "backend_class", "is_llama", "make_backend"]
+def cost_key(model) -> str:
+    """The calibration cache key of a loaded model (its backend decides what goes in it)."""
+    return backend_class(model).cost_key(model)
+
+
+def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | None = None, force: bool = False,
+              sizes=SIZES) -> CostModel:
+    """Measure (or load) t(n): the median wall time of a forward of n tokens over a `context`-token cache.
+    The model's backend measures (transformers or llama.cpp); the cache file is keyed by its `cost_key`."""
+    backend = backend_class(model)
+    folder = cache_dir or ragspec_home() / "calibration"
+    path = folder / f"{backend.cost_key(model)}.json"
+    if path.exists() and not force:
+        data = json.loads(path.read_text())
+        return CostModel(data["sizes"], data["ms"])
+    ms = backend.measure_costs(model, context, repeats, list(sizes))
+    model_cost = CostModel(list(sizes), ms)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(model_cost.as_dict() | {"context": context, "key": path.stem, "backend": backend.name},
+                              indent=2))
+    tmp.replace(path)
+    return model_cost
+
+
+__all__ = ["Backend", "NAMES", "StepResult", "backend_class", "calibrate", "cost_key", "is_llama", "make_backend"]

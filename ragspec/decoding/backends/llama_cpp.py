@@ -24,12 +24,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from ragspec.cpu_flags import flags_hash
 from ragspec.decoding.backends.accept import accept_sampled, new_generator, walk_greedy
 from ragspec.decoding.backends.base import StepResult, check_cancel
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.tree import DraftTree
 from ragspec.errors import RagspecError
-from ragspec.models.cpu_flags import flags_hash
 
 MAX_SEQS = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 plus at most 255 leaves per tree
 # llama.cpp's CPU matmuls switch kernels for big batches: on SmolLM2's Q4_1 GGUF (AVX2) a row computed in a

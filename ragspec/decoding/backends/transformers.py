@@ -97,7 +97,7 @@ class TransformersBackend:
                 on_progress(b - (split - total), total)
         check_cancel(cancel)
         if split < len(prompt_ids) - 1:
-            from ragspec.decoding.heads import AttentionCapture, eager_attention
+            from ragspec.decoding.backends.attention import AttentionCapture, eager_attention
 
             self._capture = AttentionCapture(self.model, list(self.attention_heads))
             ids = torch.tensor([prompt_ids[split : split + 1]], device=self.device)
@@ -170,7 +170,7 @@ class TransformersBackend:
         if first and not len(tree):
             return self._root_logits[None], None, first, t1
         if self._capture is not None:
-            from ragspec.decoding.heads import eager_attention
+            from ragspec.decoding.backends.attention import eager_attention
 
             self._capture.reset()
             with eager_attention(self.model):

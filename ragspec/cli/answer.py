@@ -1,0 +1,249 @@
+"""`ragspec ask` and `serve`: answer a question in the terminal (streamed, cited), or serve the API."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ragspec.cli.common import run
+from ragspec.console import console, quiet_libraries
+from ragspec.errors import RagspecError
+
+
+def ask(
+    question: str = typer.Argument(...),
+    index_path: Optional[Path] = typer.Option(None, "--index", help="index path (default: the spec's retriever.index)"),
+    spec: Optional[Path] = typer.Option(None, "--pipeline", help="pipeline YAML (default: pipelines/default.yaml settings)"),
+    as_json: bool = typer.Option(False, "--json", help="print the Answer as one JSON document (schema in README)"),
+    no_stream: bool = typer.Option(False, "--no-stream", help="print the answer when it is complete"),
+    model: Optional[str] = typer.Option(None, "--model", help="override generator.model"),
+    method: Optional[str] = typer.Option(None, "--drafting", help="override drafting.method (none|pld|trie|suffix|pldplus-h|pldplus-a|lookahead|ngrammys|auto)"),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="override generator.max_new_tokens"),
+    where: Optional[list[str]] = typer.Option(None, "--where", help="metadata filter, repeatable (see `search`)"),
+):
+    """Answer a question over an index: streamed, copied spans highlighted and cited, sources listed."""
+
+    def body():
+        quiet_libraries()
+        from ragspec.pipeline import Pipeline
+        from ragspec.pipeline.answer import CitationEvent, DoneEvent, SourcesEvent, TextEvent
+        from ragspec.spec import load_spec
+
+        data = load_spec(spec).model_dump()
+        if model:
+            data["generator"]["model"] = model
+        if method:
+            data["drafting"]["method"] = method
+        if max_new_tokens is not None:
+            if max_new_tokens < 1:
+                raise RagspecError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
+            data["generator"]["max_new_tokens"] = max_new_tokens
+        if where:
+            data["retriever"]["filter"] = list(where)
+        pipe = Pipeline(load_spec(data) if (model or method or max_new_tokens is not None or where) else load_spec(spec),
+                        str(index_path) if index_path else None)
+        with console.status("loading the index and the model…"):
+            pipe.retriever  # noqa: B018 — open the index now, so a bad path fails before the model loads
+            pipe.load(progress=lambda line: console.print(f"[dim]choosing a backend: {line}[/]"))
+        from ragspec.console import PrefillProgress, status
+
+        answer = None
+        if as_json or no_stream:
+            with status("answering…") as spinner:
+                answer = pipe.ask(question, on_progress=PrefillProgress(spinner=spinner))
+            if as_json:
+                sys.stdout.write(json.dumps(answer.as_json(), ensure_ascii=False, indent=2) + "\n")
+                return
+            for w in answer.warnings:
+                console.print(f"[yellow]warning:[/] {w}")
+            _print_answer(answer)
+        else:
+            from rich.console import Console
+
+            out = Console(highlight=False, soft_wrap=True)
+            live = _LiveAnswer(out)
+            reading = PrefillProgress()
+            try:
+                for ev in pipe.stream(question, on_progress=reading):
+                    if isinstance(ev, SourcesEvent):
+                        for w in ev.warnings:
+                            console.print(f"[yellow]warning:[/] {w}")
+                    elif isinstance(ev, TextEvent):
+                        reading.close()
+                        live.text(ev.text)
+                    elif isinstance(ev, CitationEvent):
+                        live.cite(ev.citation)
+                    elif isinstance(ev, DoneEvent):
+                        answer = ev.answer
+            finally:  # Ctrl-C included: the terminal is left clean
+                reading.close()
+                live.close()
+        _print_sources(answer)
+        _print_stats(answer)
+
+    run(body)
+
+
+class _LiveAnswer:
+    """Streams answer text to the terminal; on a terminal, copied spans turn highlighted as they close."""
+
+    def __init__(self, out):
+        self.out = out
+        self.buf = ""
+        self.cites = []
+        self.live = None
+        self.started = False
+
+    def _start(self) -> None:
+        """At the first text (not before: a prefill progress bar may hold the screen until then)."""
+        self.started = True
+        if self.out.is_terminal:
+            from rich.live import Live
+
+            self.live = Live(self._render(), console=self.out, refresh_per_second=12, transient=False)
+            self.live.start()
+
+    def _render(self):
+        from rich.text import Text
+
+        t = Text(self.buf)
+        for c in self.cites:
+            t.stylize("bold green", c.answer_start, c.answer_end)
+        return t
+
+    def text(self, s: str) -> None:
+        if not self.started:
+            self._start()
+        self.buf += s
+        if self.live:
+            self.live.update(self._render())
+        else:
+            self.out.file.write(s)
+            self.out.file.flush()
+
+    def cite(self, c) -> None:
+        self.cites.append(c)
+        if self.live:
+            self.live.update(self._render())
+
+    def close(self) -> None:
+        if self.live:
+            self.live.update(self._render())
+            self.live.stop()
+        else:
+            self.out.file.write("\n")
+
+
+def _print_answer(answer) -> None:
+    from rich.console import Console
+    from rich.text import Text
+
+    t = Text(answer.text)
+    for c in answer.citations:
+        t.stylize("bold green", c.answer_start, c.answer_end)
+    Console(highlight=False, soft_wrap=True).print(t)
+
+
+def _print_sources(answer) -> None:
+    from rich.console import Console
+
+    out = Console(highlight=False, soft_wrap=True)
+    out.print()
+    out.print("[bold]Sources[/]")
+    cited = {}
+    for c in answer.citations:
+        cited.setdefault(c.source, []).append(c)
+    for s in answer.sources:
+        where = s.path + (f"#{s.key}" if s.key else "")
+        span = f"lines {s.lines[0]}–{s.lines[1]}" if s.lines else f"chars {s.start}–{s.end}"
+        n = len(cited.get(s.number, []))
+        quoted = f"[green]{n} quote{'s' if n != 1 else ''}[/]" if n else "[dim]not quoted[/]"
+        out.print(f"  [{s.number}] [cyan]{where}[/] {span} [dim](score {s.score:.4f})[/] {quoted}")
+    for c in answer.citations:
+        q = " ".join(c.quote.split())
+        out.print(f"  [dim]└ [{c.source}] chars {c.start}–{c.end}: “{q[:100]}{'…' if len(q) > 100 else ''}”[/]")
+
+
+def _print_stats(answer) -> None:
+    s = answer.stats
+    speed = f" · speed-up ≈ {s.speedup_estimate:.2f}× vs plain decoding" if s.speedup_estimate else ""
+    console.print(
+        f"[dim]retrieval {s.retrieval_ms:.0f} ms · prompt {s.prompt_tokens} tokens, prefill {s.prefill_ms:.0f} ms · "
+        f"{s.new_tokens} tokens in {s.decode_ms / 1000:.1f} s ({s.decode_tokens_per_s:.1f} tok/s, "
+        f"{s.mean_accepted:.2f} tokens/step, drafting {s.drafting}){speed}"
+        + (f" · {s.backend}/{s.dtype}" if s.backend else "") + "[/]"
+    )
+
+
+def serve(
+    index_path: Path = typer.Option(..., "--index", help="the index to answer over"),
+    spec: Optional[Path] = typer.Option(None, "--pipeline", help="pipeline YAML (its serve: section sets the limits)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to bind; anything but loopback needs --api-key"),
+    port: int = typer.Option(8000, "--port"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="RAGSPEC_API_KEY",
+                                          help="require Authorization: Bearer KEY on /v1 endpoints"),
+    executor: str = typer.Option("local", "--executor", help="local | ray (replicas behind Ray Serve's proxy)"),
+    replicas: int = typer.Option(1, "--replicas", help="with --executor ray: server replicas, each with its "
+                                 "own model"),
+    address: Optional[str] = typer.Option(None, "--address", help="with --executor ray: the cluster "
+                                          "('auto', 'ray://HOST:10001'); default: start a local Ray"),
+):
+    """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/ask, /v1/search, …) and a web page at /."""
+
+    def body():
+        quiet_libraries()
+        try:
+            import uvicorn
+
+            from ragspec.serve.app import build_server, check_bind, create_app
+        except ImportError as exc:
+            raise RagspecError(f"ragspec serve needs the serve extra: pip install 'ragspec[serve]' ({exc})") from None
+        from ragspec.spec import load_spec
+
+        check_bind(host, api_key)
+        if executor not in ("local", "ray"):
+            raise RagspecError(f"--executor must be local or ray (got '{executor}')")
+        if executor == "local" and (replicas != 1 or address is not None):
+            raise RagspecError("--replicas and --address go with --executor ray")
+        if executor == "ray":
+            _serve_on_ray(index_path, load_spec(spec), replicas, host, port, api_key, address)
+            return
+        with console.status("loading the index and the model…"):
+            server = build_server(str(index_path), load_spec(spec), api_key=api_key)
+        shown = f"[{host}]" if ":" in host else host
+        console.print(f"ragspec serving {index_path} with {server.model_name} on http://{shown}:{port}/"
+                      + (" (API key required)" if api_key else ""))
+        uvicorn.run(create_app(server), host=host, port=port, log_level="warning")
+
+    run(body)
+
+
+def _serve_on_ray(index_path, spec, replicas, host, port, api_key, address):
+    from ragspec.cluster import require_ray
+
+    require_ray()
+    from ragspec.cluster import serving
+
+    if replicas < 1:
+        raise RagspecError(f"--replicas must be at least 1 (got {replicas})")
+    from ragspec.index.reader import Index
+
+    Index(index_path).close()  # a bad path fails here, in one line, before any replica loads a model
+    with console.status(f"starting {replicas} Ray Serve replica(s), each loading the index and the model…"):
+        url = serving.start(index_path, spec, replicas=replicas, host=host, port=port, api_key=api_key,
+                            address=address)
+    console.print(f"ragspec serving {index_path} with {spec.generator.model} on {url}/ ({replicas} Ray Serve "
+                  "replicas" + (", API key required)" if api_key else ")") + "; Ctrl-C stops")
+
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serving.stop()

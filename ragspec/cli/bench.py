@@ -1,0 +1,263 @@
+"""`ragspec bench`, `bench-replay` and `bench-search`: decoding speed, drafters replayed over a run's outputs,
+query latency; and the tables they print."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ragspec.cli.common import run, write_json_atomic
+from ragspec.console import quiet_libraries
+from ragspec.errors import RagspecError
+
+
+def bench_replay(
+    result_path: Path = typer.Argument(..., metavar="RESULT", help="a `ragspec bench --json` result (or a merge)"),
+    prompts: Path = typer.Option(Path("../shared/data/spec_bench/question.jsonl"), "--prompts"),
+    methods: str = typer.Option("pld,suffix,auto,oracle", "--methods", help="replayable: none, pld, trie, suffix, "
+                                "auto, oracle"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the replay JSON here"),
+):
+    """Replay drafters over a bench run's recorded greedy outputs, without the model: tokens per step and the
+    decode speed-up modelled from that run's t(n), beside what the run measured (tune here, confirm with bench)."""
+
+    def body():
+        quiet_libraries()
+        from rich.console import Console
+        from rich.table import Table
+        from transformers import AutoTokenizer
+
+        from ragspec.bench.replay import replay_result
+        from ragspec.console import progress
+        from ragspec.models.generator import generator_source
+
+        try:
+            result = json.loads(result_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise RagspecError(f"cannot read bench result {result_path}: {e}") from e
+        if not prompts.exists():
+            raise RagspecError(f"{prompts} does not exist")
+        rows = {}
+        with open(prompts, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    obj = json.loads(line)
+                    rows[str(obj.get("question_id"))] = obj
+        chosen = [m.strip() for m in methods.split(",") if m.strip()]
+        tok = AutoTokenizer.from_pretrained(generator_source(result.get("model") or "qwen2.5-coder-0.5b-instruct"))
+        cats = result["categories"] if "categories" in result else {result.get("category"): result}
+        total = sum(len(r.get("vanilla_outputs") or {}) for r in cats.values()) * len(chosen)
+        if not total:
+            raise RagspecError(f"{result_path} keeps no vanilla outputs (a run from before they were recorded)")
+        if not any(r.get("cost_model") for r in cats.values()):
+            raise RagspecError(f"{result_path} was run with a fixed --budget: it measured no t(n) to model steps with")
+        with progress() as bar:
+            task = bar.add_task("replaying", total=total)
+            out = replay_result(result, rows, tok, chosen, progress=lambda: bar.advance(task))
+        if not out["categories"]:
+            raise RagspecError(f"none of the prompts recorded in {result_path} is in {prompts} (another prompts file?)")
+        if json_out:
+            write_json_atomic(json_out, out)
+        t = Table(title=f"replay of {result_path.name}: modelled decode speed-up (tokens/step), measured beside")
+        t.add_column("category", justify="left")
+        for m in chosen:
+            t.add_column(m, justify="right")
+        for cat, row in out["categories"].items():
+            cells = []
+            for m in chosen:
+                v = row[m]
+                cell = f"{v['decode_speedup_model']:.2f}× ({v['tokens_per_step']:.2f})"
+                if v["measured_decode_speedup"] is not None:
+                    cell += f" · ran {v['measured_decode_speedup']:.2f}× ({v['measured_tokens_per_step'] or 1:.2f})"
+                cells.append(cell)
+            t.add_row(cat, *cells)
+        Console(width=None if sys.stdout.isatty() else 200).print(t)
+
+    run(body)
+
+
+def bench_search(
+    index_path: Path = typer.Argument(..., metavar="INDEX"),
+    queries: Optional[Path] = typer.Option(None, "--queries", help=".jsonl (text field) or one query per line"),
+    n: int = typer.Option(200, "-n", help="queries to time (sampled from the index's chunks without --queries)"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Query latency: p50/p95 of dense search alone and of the whole retrieval stage."""
+
+    def body():
+        quiet_libraries()
+        from ragspec.eval.latency import bench_queries, sample_queries
+
+        from ragspec.index.reader import Index
+        from ragspec.retrieve.retriever import Retriever
+        from ragspec.settings import RetrieverSettings
+
+        idx = Index(index_path)
+        qs = sample_queries(idx, queries, n)
+        result = bench_queries(Retriever(idx, RetrieverSettings()), qs)
+        result["index"] = str(index_path)
+        if as_json:
+            sys.stdout.write(json.dumps(result, indent=2) + "\n")
+            return
+        from rich.console import Console
+
+        out = Console(highlight=False, soft_wrap=True)
+        out.print(f"{result['queries']} queries on {index_path} ({result['faiss']}, {result['chunks']} chunks)")
+        for name, m in result["latency_ms"].items():
+            out.print(f"  {name:22} p50 {m['p50']:8.2f} ms   p95 {m['p95']:8.2f} ms")
+
+    run(body)
+
+
+def bench(
+    prompts: Path = typer.Option(Path("../shared/data/spec_bench/question.jsonl"), "--prompts"),
+    category: str = typer.Option("rag", "--category", help="a Spec-Bench category, several (a,b,c), or all (each category in turn)"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="at most N prompts (of each category with all)"),
+    offset: int = typer.Option(0, "--offset", help="skip the category's first N prompts (a held-out fold)"),
+    model: str = typer.Option("qwen2.5-coder-0.5b-instruct", "--model"),
+    methods: Optional[str] = typer.Option(None, "--methods",
+                                          help="vanilla, hf-pld (llama-pld with --backend llama.cpp), none, pld, trie, "
+                                               "suffix, pldplus-h, pldplus-a, lookahead, ngrammys, auto, oracle (the ceiling); default: "
+                                               "vanilla,<peer>,pld,trie,suffix,oracle"),
+    backend: str = typer.Option("transformers", "--backend", help="transformers or llama.cpp (the GGUF as shipped)"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    budget: str = typer.Option("auto", "--budget", help="draft tree size: auto (cost-aware) or a number"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the result JSON here"),
+    plot_out: Optional[Path] = typer.Option(None, "--plot", help="write accepted-length histograms (PNG)"),
+    merge: Optional[list[str]] = typer.Option(None, "--merge", help="no run: merge these result JSONs (runs of "
+                                              "some categories each) into one table (and --json)"),
+):
+    """Decoding speed: vanilla greedy vs HF prompt lookup vs ragspec drafters, outputs checked identical."""
+
+    def body():
+        quiet_libraries()
+        if merge:
+            return _merge_runs(merge, json_out)
+        from ragspec.bench.decoding import load_prompts, plot, run_bench
+        from ragspec.console import progress
+        from ragspec.models.generator import load_generator
+
+        if not prompts.exists():
+            raise RagspecError(f"{prompts} does not exist")
+        if max_new_tokens < 1:
+            raise RagspecError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
+        if limit is not None and limit < 1:
+            raise RagspecError(f"--limit must be at least 1, not {limit}")
+        rows = load_prompts(prompts, category, limit, offset)
+        if backend not in ("transformers", "llama.cpp"):
+            raise RagspecError(f"--backend must be transformers or llama.cpp, not '{backend}'")
+        if backend == "llama.cpp":
+            from ragspec.models.generator import load_llama_generator
+
+            lm, tok = load_llama_generator(model)
+        else:
+            lm, tok = load_generator(model)
+        peer = "llama-pld" if backend == "llama.cpp" else "hf-pld"
+        chosen = methods or f"vanilla,{peer},pld,trie,suffix,oracle"
+        b = budget if budget == "auto" else int(budget)
+        chosen_methods = [m.strip() for m in chosen.split(",") if m.strip()]
+        write = (lambda r: write_json_atomic(json_out, r)) if json_out else None
+        from rich.console import Console
+        from rich.table import Table
+
+        out = Console(width=None if sys.stdout.isatty() else 200)  # a log file gets the whole table
+        if category == "all" or "," in category:
+            from ragspec.bench.decoding import run_categories
+
+            with progress() as bar:
+                task = bar.add_task(f"all categories × {len(rows)}", total=len(rows))
+                result = run_categories(lm, tok, rows, chosen_methods, max_new_tokens, b,
+                                        progress=lambda: bar.advance(task), model_name=model, on_result=write,
+                                        label=category)
+            if plot_out:
+                for cat, r in result["categories"].items():
+                    plot(r, plot_out.with_name(f"{plot_out.stem}-{cat}{plot_out.suffix}"))
+            out.print(_category_table(result, model, backend, max_new_tokens))
+            first = next(iter(result["categories"].values()))
+            _print_machine(out, first)
+            return
+        with progress() as bar:
+            task = bar.add_task(f"{category} × {len(rows)}", total=len(rows))
+            result = run_bench(lm, tok, rows, chosen_methods, max_new_tokens,
+                               b, progress=lambda: bar.advance(task), model_name=model, category=category,
+                               on_prompt=write)
+        if plot_out:
+            plot(result, plot_out)
+
+        t = Table(title=f"{model} ({backend}) — {category}, {len(rows)} prompts, {max_new_tokens} new tokens")
+        for col in ("method", "tok/s", "decode tok/s", "speed-up", "of ceiling", "tok/step", "nodes/step",
+                    "draft · inputs · forward · accept · trim (ms/step)", "identical", "mem MB"):
+            t.add_column(col, justify="left" if col == "method" else "right")
+        for m, r in result["methods"].items():
+            f = lambda v, fmt="{:.2f}": "–" if v is None else fmt.format(v)  # noqa: E731
+            split = " · ".join(f"{v:.1f}" for v in r["step_ms"].values()) if r.get("step_ms") else "–"
+            t.add_row(m, f(r["tokens_per_s"]), f(r["decode_tokens_per_s"]), f(r["speedup"], "{:.2f}×"),
+                      f(r.get("of_ceiling"), "{:.0%}"), f(r["mean_accepted"]), f(r["tree_nodes_per_step"]), split,
+                      f"{r['identical']}/{len(rows)}", f(r["drafter_memory_mb_4k"]))
+        out.print(t)
+        _print_machine(out, result)
+
+    run(body)
+
+
+def _merge_runs(paths: list[str], json_out: Optional[Path]) -> None:
+    from rich.console import Console
+
+    from ragspec.bench.decoding import merge_categories
+
+    runs = []
+    for p in paths:
+        try:
+            runs.append(json.loads(Path(p).read_text(encoding="utf-8")))
+        except (OSError, ValueError) as e:
+            raise RagspecError(f"cannot read bench result {p}: {e}") from e
+    result = merge_categories(runs)
+    if json_out:
+        write_json_atomic(json_out, result)
+    first = next(iter(result["categories"].values()))
+    out = Console(width=None if sys.stdout.isatty() else 200)
+    out.print(_category_table(result, result["model"], first.get("backend", "transformers"), result["max_new_tokens"]))
+    if not result["complete"]:
+        out.print("[yellow]some merged categories were stopped before their last prompt (\"complete\": false)[/]")
+    machines: dict[str, list[str]] = {}  # parts may come from other machines: each CPU with its categories
+    for cat, r in result["categories"].items():
+        machines.setdefault(_cpu_line(r.get("machine") or r["cpu"]), []).append(cat)  # "cpu": an older run
+    for line, cats in machines.items():
+        out.print(line + (f" ({', '.join(cats)})" if len(machines) > 1 else ""))
+
+
+def _category_table(result: dict, model: str, backend: str, max_new_tokens: int):
+    """`bench --category all`: one row per category, a column per method: speed-up over vanilla (tokens per
+    step); the oracle column is the ceiling; identical counts every method's outputs."""
+    from rich.table import Table
+
+    cats = result["table"]
+    methods = list(next(iter(cats.values())))
+    t = Table(title=f"{model} ({backend}) — all categories, {max_new_tokens} new tokens: speed-up (tokens/step)")
+    t.add_column("category", justify="left")
+    t.add_column("prompts", justify="right")
+    for m in methods:
+        t.add_column("oracle (ceiling)" if m == "oracle" else m, justify="right")
+    t.add_column("identical", justify="right")
+    for cat, row in cats.items():
+        n = next(iter(row.values()))["prompts"]
+        cells = [f"{v['speedup']:.2f}×" + (f" ({v['mean_accepted']:.2f})" if v["mean_accepted"] else "")
+                 for v in row.values()]
+        same = sum(v["identical"] for v in row.values())
+        t.add_row(cat, str(n), *cells, f"{same}/{n * len(row)}")
+    return t
+
+
+def _cpu_line(machine: dict) -> str:
+    return f"CPU: {machine['model']} · {machine['threads']} threads · {' '.join(machine['flags'])}"
+
+
+def _print_machine(out, result: dict) -> None:
+    out.print(_cpu_line(result["machine"]))
+    mm = result["machine"]["matmul_gflops"]
+    out.print("matmul ceilings (GFLOP/s): " + " · ".join(f"{k} {mm[k]}" for k in ("float32", "bfloat16", "int8")
+                                                         if k in mm))

@@ -1,0 +1,185 @@
+"""`ragspec index`, `search` and `info`: build an index, query it, describe it."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ragspec.cli.common import index_settings, run
+from ragspec.console import console, human_bytes, quiet_libraries
+from ragspec.errors import RagspecError
+
+
+def index(
+    path: Path = typer.Argument(..., help="corpus folder (or one .jsonl/.json file)"),
+    name: Optional[str] = typer.Option(None, "--name", help="index name (default: the corpus folder's name)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="index path (default: indexes/NAME)"),
+    embedder: Optional[str] = typer.Option(None, "--embedder", help="embedded name, HF id or folder"),
+    index_type: Optional[str] = typer.Option(None, "--index-type", help="auto | flat | ivfpq"),
+    factory: Optional[str] = typer.Option(None, "--factory", help="exact FAISS factory, e.g. 'IVF4096,PQ64'"),
+    chunk_tokens: Optional[int] = typer.Option(None, "--chunk-tokens", help="chunk size in tokens (256)"),
+    overlap: Optional[int] = typer.Option(None, "--overlap", help="chunk overlap in tokens (32)"),
+    embed_dtype: Optional[str] = typer.Option(None, "--embed-dtype", help="auto | float32 | bfloat16"),
+    nprobe: Optional[int] = typer.Option(None, "--nprobe", help="IVF lists probed per query (16)"),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda"),
+    spec: Optional[Path] = typer.Option(None, "--pipeline", help="take index settings from a pipeline YAML"),
+    executor: str = typer.Option("local", "--executor", help="local | ray (chunk and embed on a Ray cluster)"),
+    address: Optional[str] = typer.Option(None, "--address", help="with --executor ray: the cluster "
+                                          "('auto', 'ray://HOST:10001'); default: start a local Ray"),
+    embed_actors: int = typer.Option(1, "--embed-actors", help="with --executor ray: embedding actors"),
+    gpus_per_actor: float = typer.Option(0.0, "--gpus-per-actor", help="with --executor ray: GPUs per actor "
+                                         "(0: embed on CPU)"),
+):
+    """Build or update an index from a folder of documents."""
+
+    def body():
+        quiet_libraries()
+        from ragspec.index.builder import build_index, default_name
+        from ragspec.paths import default_index_root
+
+        base = {}
+        if spec is not None:
+            from ragspec.spec import load_spec
+
+            base = load_spec(spec).index.model_dump()
+        settings = index_settings(**{
+            **base,
+            **{k: v for k, v in dict(
+                embedder=embedder, index_type=index_type, faiss_factory=factory, chunk_tokens=chunk_tokens,
+                overlap=overlap, embed_dtype=embed_dtype, nprobe=nprobe, device=device,
+            ).items() if v is not None},
+        })
+        target = out or default_index_root() / (name or default_name(path))
+        runner = _index_executor(executor, address, embed_actors, gpus_per_actor)
+        s = build_index(path, target, settings, executor=runner)
+        for note in s.notes:
+            console.print(f"[dim]{note}[/]")
+        if s.up_to_date:
+            console.print(
+                f"[green]up to date[/] {target}: {s.documents} documents, {s.chunks} chunks, nothing changed "
+                f"({s.seconds:.1f} s)"
+            )
+            return
+        console.print(
+            f"[green]indexed[/] {target}: {s.documents} documents from {s.files} files "
+            f"({s.added} added, {s.changed} changed, {s.deleted} deleted, {s.skipped} skipped), {s.chunks} chunks "
+            f"({s.embedded} embedded, {s.reused} reused) in {s.seconds:.1f} s"
+            + (f", {s.chunks_per_s:.1f} chunks/s embedding" if s.embedded else "")
+            + f"; FAISS {s.factory} ({s.index_type}); {human_bytes(s.bytes)} on disk"
+        )
+
+    run(body)
+
+
+def _index_executor(kind: str, address: str | None, actors: int, gpus: float):
+    """None (this process) or a RayExecutor; the Ray options are refused without --executor ray."""
+    if kind == "local":
+        if address is not None or actors != 1 or gpus != 0.0:
+            raise RagspecError("--address, --embed-actors and --gpus-per-actor go with --executor ray")
+        return None
+    if kind != "ray":
+        raise RagspecError(f"--executor must be local or ray (got '{kind}')")
+    from ragspec.cluster import require_ray
+
+    require_ray()
+    from ragspec.cluster.indexing import RayExecutor
+
+    return RayExecutor(address=address, embed_actors=actors, gpus_per_actor=gpus)
+
+
+def search(
+    args: list[str] = typer.Argument(..., metavar="[INDEX] QUERY", help="the query (after the index path when no --index)"),
+    index_opt: Optional[Path] = typer.Option(None, "--index", help="index path, e.g. indexes/NAME"),
+    k: int = typer.Option(5, "-k", "--top", help="results to show"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON document (schema in README)"),
+    mode: str = typer.Option("hybrid", "--mode", help="hybrid | dense | bm25"),
+    reranker: Optional[str] = typer.Option(None, "--reranker", help="CrossEncoder name or folder"),
+    where: Optional[list[str]] = typer.Option(None, "--where", help="metadata filter, repeatable: 'path=tutorial/*', "
+                                              "'year>=2020', 'type in md,rst'"),
+    diversity: Optional[float] = typer.Option(None, "--diversity", help="MMR strength, 0 (off) … 1"),
+):
+    """Search an index: rank, score, document path, character offsets, text."""
+
+    def body():
+        quiet_libraries()
+        from ragspec.retrieve.retriever import Retriever
+        from ragspec.settings import RetrieverSettings
+
+        if index_opt is not None:
+            if len(args) != 1:
+                raise RagspecError("with --index give just the query (quote it)")
+            index_path, query = index_opt, args[0]
+        elif len(args) == 2:
+            index_path, query = Path(args[0]), args[1]
+        else:
+            raise RagspecError("give the index and the query: ragspec search --index INDEX QUERY")
+        if k < 1:
+            raise RagspecError("-k must be at least 1")
+        if mode not in ("hybrid", "dense", "bm25"):
+            raise RagspecError(f"--mode '{mode}' is not one of hybrid, dense, bm25")
+        if diversity is not None and not 0 <= diversity <= 1:
+            raise RagspecError("--diversity must be between 0 and 1")
+        retriever = Retriever(str(index_path), RetrieverSettings(top_n=k, mode=mode, reranker=reranker))
+        t = time.perf_counter()
+        hits = retriever.search(query, top_n=k, filter=list(where) if where else None, diversity=diversity)
+        ms = (time.perf_counter() - t) * 1000
+        if as_json:
+            doc = {"index": str(index_path), "query": query, "results": [h.as_json() for h in hits]}
+            sys.stdout.write(json.dumps(doc, ensure_ascii=False, indent=2) + "\n")
+            return
+        from rich.console import Console
+
+        out = Console(highlight=False, soft_wrap=True)
+        for h in hits:
+            out.print(f"[bold]{h.rank}.[/] [cyan]{h.path}[/]{'#' + h.key if h.key else ''} "
+                      f"[dim][{h.start}:{h.end}] score {h.score:.4f}[/]")
+            for l in h.locations[1:]:
+                out.print(f"   [dim]also {l.kind} in[/] [cyan]{l.path}[/]{'#' + l.key if l.key else ''} "
+                          f"[dim][{l.start}:{l.end}][/]")
+            snippet = " ".join(h.text.split())
+            out.print("   " + (snippet[:300] + ("…" if len(snippet) > 300 else "")))
+        console.print(f"[dim]{len(hits)} results in {ms:.0f} ms ({', '.join(retriever.stages)})[/]")
+
+    run(body)
+
+
+def info(index_path: Path = typer.Argument(..., metavar="INDEX"),
+         as_json: bool = typer.Option(False, "--json"),
+         verify: bool = typer.Option(False, "--verify", help="re-hash every file against the manifest")):
+    """Describe an index: counts, embedder, FAISS, and which retrieval stages run."""
+
+    def body():
+        from ragspec.index.reader import Index
+        from ragspec.retrieve.retriever import Retriever
+        from ragspec.settings import RetrieverSettings
+
+        idx = Index(index_path, verify=verify)
+        m = idx.manifest
+        stages = Retriever(idx, RetrieverSettings()).stages
+        if as_json:
+            sys.stdout.write(json.dumps({"index": str(index_path), "version": idx.folder.name,
+                                         "manifest": {k: v for k, v in m.items() if k != "files"},
+                                         "stages": stages}, indent=2) + "\n")
+            return
+        from rich.console import Console
+
+        out = Console(highlight=False, soft_wrap=True)
+        c, e, f = m["counts"], m["embedder"], m["faiss"]
+        out.print(f"[bold]{index_path}[/] → {idx.folder.name}  (format {m['format_version']}, built {m['created']})")
+        out.print(f"  corpus     {m['corpus']['root']}: {c['documents']} documents, {c['chunks']} chunks, "
+                  f"{c.get('skipped', 0)} files skipped")
+        out.print(f"  embedder   {e['name']} ({e['dimension']}-d, {e['dtype']}, normalised)")
+        out.print(f"  chunker    {m['chunker']['tokens']} tokens, overlap {m['chunker']['overlap']}")
+        out.print(f"  faiss      {f['factory']} ({f['kind']}, nprobe {f['nprobe']}"
+                  + (f", refine ×{f['refine_k_factor']}" if f.get("refine_k_factor") else "")
+                  + (f", each vector in {1 + f['spill']} lists ({f['spill_rule']})" if f.get("spill") else "") + ")")
+        out.print(f"  stages     {' → '.join(stages)}")
+        if verify:
+            out.print("  [green]all files match their sha256[/]")
+
+    run(body)
