@@ -6,7 +6,6 @@ Usage: python examples/pydoc_corpus.py OUT_DIR
 
 import sys
 from pathlib import Path
-
 from pydoc_data.topics import topics
 
 

@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from ragspec.errors import RagspecError  # noqa: E402
+from ragspec.errors import RagspecError
 
 __all__ = ["Answer", "Pipeline", "RagspecError", "__version__"]
 

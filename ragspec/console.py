@@ -8,7 +8,14 @@ import os
 import time
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -112,5 +119,5 @@ def quiet_libraries() -> None:
 
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
-    except Exception:  # transformers missing or changed: cosmetic only
+    except Exception:  # noqa: BLE001 - transformers missing or changed: cosmetic only
         pass

@@ -1,6 +1,6 @@
 """The sections of a pipeline spec: index building, retrieval, prompt, generator, drafting, attribution.
 
-Every field has a default and a description (README lists them); unknown keys are errors."""
+Every field has a default and a description (docs/pipelines.md lists them); unknown keys are errors."""
 
 from __future__ import annotations
 
@@ -23,14 +23,14 @@ def _cosine(value, name: str, words: str) -> float:
     return cos
 
 
-def parse_floor(value) -> "str | float":
+def parse_floor(value) -> str | float:
     """`prompt.relevance_floor` as given in YAML or on the command line: "auto", "off" or a cosine in [-1, 1]."""
     if isinstance(value, str) and value.strip().lower() in ("auto", "off"):
         return value.strip().lower()
     return _cosine(value, "relevance_floor", "auto, off")
 
 
-def parse_doubt(value) -> "str | float | None":
+def parse_doubt(value) -> str | float | None:
     """`prompt.relevance_doubt` as given in YAML or on the command line: "auto", none (null) or a cosine in
     [-1, 1]."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")):
@@ -116,7 +116,7 @@ class PromptSettings(Strict):
         "auto", description="with the relevance gate on: from its floor up to this score the embedder is unsure, "
         "so the model is offered to decline (phrased by `decline`) and its own judgement decides; from this score "
         "on it is asked to answer. auto: with relevance_floor auto, the floor and band measured for the generator "
-        "with the embedder (registry; none measured: no band); null: no band (README, *Declining*)"
+        "with the embedder (registry; none measured: no band); null: no band (docs/evaluation.md, *Declining*)"
     )
     max_context_tokens: int | None = Field(
         None, ge=64, description="prompt budget; default the model's window minus max_new_tokens"

@@ -11,8 +11,16 @@ import yaml
 from pydantic import Field, ValidationError
 
 from ragspec.errors import RagspecError
-from ragspec.settings import (AttributionSettings, DraftingSettings, GeneratorSettings, IndexSettings,
-                              PromptSettings, RetrieverSettings, ServeSettings, Strict)
+from ragspec.settings import (
+    AttributionSettings,
+    DraftingSettings,
+    GeneratorSettings,
+    IndexSettings,
+    PromptSettings,
+    RetrieverSettings,
+    ServeSettings,
+    Strict,
+)
 
 
 class PipelineSpec(Strict):
@@ -34,7 +42,7 @@ def describe_error(exc: ValidationError, source: str) -> str:
     return f"{source}: {loc}: {err['msg']}"
 
 
-def load_spec(source: "str | Path | dict | PipelineSpec | None" = None) -> PipelineSpec:
+def load_spec(source: str | Path | dict | PipelineSpec | None = None) -> PipelineSpec:
     """A spec from a YAML path, or a dict (None: all defaults); errors name the offending key."""
     if isinstance(source, PipelineSpec):
         return source

@@ -7,16 +7,23 @@ import gzip
 import json
 
 import pytest
+from conftest import write_corpus
 from typer.testing import CliRunner
 
 from ragspec.cli import app
 from ragspec.errors import RagspecError
-from ragspec.eval.answers import (answer_contains, citation_coverage, is_refusal, normalize, read_records,
-                                  record_sources, summarize, token_f1)
+from ragspec.eval.answers import (
+    answer_contains,
+    citation_coverage,
+    is_refusal,
+    normalize,
+    read_records,
+    record_sources,
+    summarize,
+    token_f1,
+)
 from ragspec.pipeline import DECLINED, Answer, AnswerStats, is_declined
 from ragspec.pipeline.prompt import DECLINES, STYLES, SYSTEM, PromptBuilder, SourceText, system_instruction
-
-from conftest import write_corpus
 
 runner = CliRunner()
 

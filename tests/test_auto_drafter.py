@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_suffix_drafter import FLAT, STEEP, run
 
 from ragspec.decoding.budget import AdaptiveBudget
 from ragspec.decoding.drafters import check_params, make_drafter
@@ -15,8 +16,6 @@ from ragspec.decoding.drafters.pld import PromptLookupDrafter
 from ragspec.decoding.drafters.suffix import SuffixDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.decoding.tree import DraftTree
-
-from test_suffix_drafter import FLAT, STEEP, run
 
 
 class Garbage:
@@ -67,7 +66,7 @@ def test_auto_params_are_checked():
 
 
 @pytest.mark.parametrize("budget", ["fixed", "flat", "steep"])
-def test_auto_matches_generate(smol, cases, budget):  # noqa: F811
+def test_auto_matches_generate(smol, cases, budget):
     _model, tok = smol
     drafted = 0
     for prompt, ref in cases:
@@ -81,7 +80,7 @@ def test_auto_matches_generate(smol, cases, budget):  # noqa: F811
     assert (drafted == 0) == (budget == "steep")
 
 
-def test_auto_stops_inside_a_draft_and_keeps_provenance(smol, cases):  # noqa: F811
+def test_auto_stops_inside_a_draft_and_keeps_provenance(smol, cases):
     model, tok = smol
     prompt, ref = cases[0]
     for limit in (1, 3, 7):

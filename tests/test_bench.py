@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from typer.testing import CliRunner
 
 from ragspec.cli import app

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import write_corpus
 from typer.testing import CliRunner
 
 from ragspec.cli import app
@@ -18,8 +19,6 @@ from ragspec.index.reader import Index
 from ragspec.integrations.langchain import RagspecRetriever
 from ragspec.retrieve.retriever import Retriever
 from ragspec.settings import IndexSettings
-
-from conftest import write_corpus
 
 SMALL = IndexSettings(chunk_tokens=48, overlap=8)
 runner = CliRunner()

@@ -14,18 +14,17 @@ import logging
 
 import pytest
 import torch
+from greedy_cases import PASSAGES, QUESTIONS, chat_prompt, reference
 from torch import nn
 
+from ragspec.cpu_flags import native_bf16, native_int8
 from ragspec.decoding.budget import AdaptiveBudget, CostModel
 from ragspec.decoding.drafters.pld import PromptLookupDrafter
 from ragspec.decoding.drafters.suffix import SuffixDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.errors import RagspecError
-from ragspec.cpu_flags import native_bf16, native_int8
 from ragspec.models.cpu_linear import PackedLinear, bf16_packing_available
 from ragspec.models.int8_linear import EXACT_SLICE, Int8Linear
-
-from greedy_cases import PASSAGES, QUESTIONS, chat_prompt, reference
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
 HAS_INT_MM = hasattr(torch, "_int_mm")

@@ -10,7 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -28,7 +28,7 @@ def _rel(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _text(path: Path) -> str:
     return path.read_text(encoding="utf-8")
 
@@ -78,7 +78,7 @@ def _invocations(tool: str, path: Path) -> list[tuple[str, list[str], str]]:
     return found
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cli() -> dict[str, set[str]]:
     """Every `ragspec` command and its options, from the Typer app (the import path survives the cli/ package)."""
     import typer.main

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from greedy_cases import chat_prompt, reference
 
 from ragspec.decoding.drafters.base import NoDraft
 from ragspec.decoding.drafters.pld import PromptLookupDrafter
@@ -14,8 +15,6 @@ from ragspec.decoding.drafters.pldplus import PLDPlusAttentionDrafter, PLDPlusHi
 from ragspec.decoding.drafters.trie import NgramTrieDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.decoding.tree import DraftTree
-
-from greedy_cases import chat_prompt, reference
 
 
 def run(smol, drafter, prompt, max_new=48, budget=64):

@@ -141,8 +141,8 @@ def test_first_two_tokens_follow_the_model(smol):
 @pytest.mark.parametrize("method", ["suffix", "auto"])
 def test_suffix_drafts_keep_the_distribution(smol, method):
     """The suffix drafter's own scored tree (several continuations of a repeated spot) under sampling."""
-    from ragspec.decoding.drafters.base import DraftState
     from ragspec.decoding.drafters import make_drafter
+    from ragspec.decoding.drafters.base import DraftState
     from ragspec.decoding.drafters.suffix import SuffixDrafter
 
     model, tok = smol

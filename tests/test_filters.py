@@ -6,18 +6,17 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import write_corpus
 from typer.testing import CliRunner
 
 from ragspec.cli import app
 from ragspec.errors import RagspecError
 from ragspec.index import manifest
 from ragspec.index.builder import build_index
-from ragspec.index.reader import Index
 from ragspec.index.filters import parse_where
+from ragspec.index.reader import Index
 from ragspec.retrieve.retriever import Retriever
 from ragspec.settings import IndexSettings, RetrieverSettings
-
-from conftest import write_corpus
 
 ANIMALS = ["fox", "otter", "heron", "badger", "lynx", "beaver", "stork", "marten", "crane", "vole"]
 PLACES = ["marsh", "forest", "river bank", "meadow", "mountain", "lake shore", "dune", "glacier", "canyon", "reef"]

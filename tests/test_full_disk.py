@@ -6,14 +6,13 @@ import os
 import subprocess
 
 import pytest
+from conftest import write_corpus
 
 from ragspec.errors import RagspecError
 from ragspec.index.builder import build_index
 from ragspec.index.reader import Index
 from ragspec.retrieve.retriever import Retriever
 from ragspec.settings import IndexSettings, RetrieverSettings
-
-from conftest import write_corpus
 
 SMALL = IndexSettings(chunk_tokens=48, overlap=8)
 

@@ -11,13 +11,12 @@ import sys
 import time
 
 import pytest
+from conftest import REPO, write_corpus
 
 from ragspec.index.builder import build_index
 from ragspec.index.reader import Index
 from ragspec.retrieve.retriever import Retriever
 from ragspec.settings import IndexSettings, RetrieverSettings
-
-from conftest import REPO, write_corpus
 
 SMALL = IndexSettings(chunk_tokens=48, overlap=8)
 

@@ -8,14 +8,13 @@ import functools
 import tempfile
 from pathlib import Path
 
+from conftest import write_corpus
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from ragspec.integrations.langchain import ChatRagspec, RagspecLLM, RagspecRetriever
 from ragspec.pipeline import Pipeline
-
-from conftest import write_corpus
 
 SMOL = {"model": "smollm2-135m-instruct", "budget": 16}
 SHORT = 32  # answer budget in the suites (their default is 100 tokens), to keep CI time down

@@ -258,8 +258,8 @@ def test_sampling_follows_the_model_distribution(llama, cases):
 
 @needs_llama
 def test_calibration_is_measured_once_and_cached(llama, tmp_path, monkeypatch):
-    from ragspec.decoding.backends.llama_cpp import LlamaCppBackend
     from ragspec.decoding.backends import calibrate
+    from ragspec.decoding.backends.llama_cpp import LlamaCppBackend
 
     model, _ = llama
     cost = calibrate(model, context=64, repeats=1, cache_dir=tmp_path, sizes=(1, 4, 16))

@@ -9,14 +9,13 @@ import threading
 
 import pytest
 import torch
+from conftest import PARAGRAPHS
 
 from ragspec.decoding.backends.base import PREFILL_CHUNK, chunks
 from ragspec.decoding.drafters import make_drafter
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.errors import Cancelled, RagspecError
 from ragspec.pipeline import DoneEvent, Pipeline, SourcesEvent
-
-from conftest import PARAGRAPHS
 
 SPEC = {
     "name": "long",

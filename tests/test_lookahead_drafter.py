@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine_greedy import check_limits_and_eos, run
 
 from ragspec.decoding.budget import AdaptiveBudget, CostModel
 from ragspec.decoding.drafters import check_params, make_drafter
 from ragspec.decoding.drafters.base import DraftState
 from ragspec.decoding.drafters.lookahead import LookaheadDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
-
-from test_engine_greedy import check_limits_and_eos, run
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
 STEEP = CostModel([1, 2, 4, 8, 16, 32, 64], [100, 200, 400, 800, 1600, 3200, 6400])

@@ -9,6 +9,7 @@ import json
 import time
 
 import pytest
+from conftest import write_corpus
 from typer.testing import CliRunner
 
 from ragspec.cli import app
@@ -16,8 +17,6 @@ from ragspec.errors import RagspecError
 from ragspec.models import machine
 from ragspec.models.machine import Candidate, choose, decode_ms_per_token, resolve, table_key
 from ragspec.settings import GeneratorSettings
-
-from conftest import write_corpus
 
 SMOL = "smollm2-135m-instruct"
 

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from greedy_cases import PASSAGES, QUESTIONS, chat_prompt
 
 from ragspec.decoding.backends.transformers import TransformersBackend
 from ragspec.decoding.budget import AdaptiveBudget, CostModel
@@ -15,8 +16,6 @@ from ragspec.decoding.drafters import check_params, make_drafter
 from ragspec.decoding.drafters.base import DraftState
 from ragspec.decoding.drafters.ngrammys import NgrammysDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
-
-from greedy_cases import PASSAGES, QUESTIONS, chat_prompt
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
 

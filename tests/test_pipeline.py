@@ -8,6 +8,7 @@ import json
 import threading
 
 import pytest
+from conftest import write_corpus
 from typer.testing import CliRunner
 
 from ragspec.cli import app
@@ -15,8 +16,6 @@ from ragspec.errors import RagspecError
 from ragspec.index.builder import build_index
 from ragspec.pipeline import CitationEvent, DoneEvent, Pipeline, SourcesEvent, TextEvent
 from ragspec.settings import IndexSettings
-
-from conftest import write_corpus
 
 SPEC = {
     "name": "test",

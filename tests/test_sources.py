@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import write_corpus
 
 from ragspec.index.builder import build_index
 from ragspec.index.reader import Index
@@ -16,8 +17,6 @@ from ragspec.retrieve.mmr import mmr
 from ragspec.retrieve.retriever import Retriever
 from ragspec.retrieve.sources import group_candidates, touching
 from ragspec.settings import IndexSettings, RetrieverSettings
-
-from conftest import write_corpus
 
 SHARED = ("The global statement is a declaration which holds for the entire current code block. It means that "
           "the listed identifiers are to be interpreted as globals.")

@@ -1,11 +1,10 @@
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from ragspec.errors import RagspecError
 from ragspec.spec import load_spec
-
-from conftest import REPO
 
 
 def test_shipped_specs_validate():

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from greedy_cases import chat_prompt, reference
+from test_engine_greedy import run
 
 from ragspec.decoding.budget import AdaptiveBudget, CostModel, ScoreCalibration
 from ragspec.decoding.drafters.base import EARLIER_ANSWER, DraftState
@@ -14,9 +16,6 @@ from ragspec.decoding.drafters.suffix import SuffixDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.decoding.memory import AnswerMemory
 from ragspec.decoding.tree import DraftTree
-
-from greedy_cases import chat_prompt, reference
-from test_engine_greedy import run
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
 MID = CostModel([1, 2, 4, 8, 16, 32, 64], [100 + 20 * (n - 1) for n in (1, 2, 4, 8, 16, 32, 64)])

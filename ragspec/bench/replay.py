@@ -25,7 +25,7 @@ class Replay:
     draft_ms: float = 0.0  # real time spent drafting and selecting
     accepted: list[int] = field(default_factory=list)
 
-    def add(self, other: "Replay") -> None:
+    def add(self, other: Replay) -> None:
         self.tokens += other.tokens
         self.steps += other.steps
         self.nodes += other.nodes

@@ -6,7 +6,6 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -17,14 +16,14 @@ from ragspec.errors import RagspecError
 
 def ask(
     question: str = typer.Argument(...),
-    index_path: Optional[Path] = typer.Option(None, "--index", help="index path (default: the spec's retriever.index)"),
-    spec: Optional[Path] = typer.Option(None, "--pipeline", help="pipeline YAML (default: pipelines/default.yaml settings)"),
-    as_json: bool = typer.Option(False, "--json", help="print the Answer as one JSON document (schema in README)"),
+    index_path: Path | None = typer.Option(None, "--index", help="index path (default: the spec's retriever.index)"),
+    spec: Path | None = typer.Option(None, "--pipeline", help="pipeline YAML (default: pipelines/default.yaml settings)"),
+    as_json: bool = typer.Option(False, "--json", help="print the Answer as one JSON document (schema: docs/pipelines.md)"),
     no_stream: bool = typer.Option(False, "--no-stream", help="print the answer when it is complete"),
-    model: Optional[str] = typer.Option(None, "--model", help="override generator.model"),
-    method: Optional[str] = typer.Option(None, "--drafting", help="override drafting.method (none|pld|trie|suffix|pldplus-h|pldplus-a|lookahead|ngrammys|auto)"),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="override generator.max_new_tokens"),
-    where: Optional[list[str]] = typer.Option(None, "--where", help="metadata filter, repeatable (see `search`)"),
+    model: str | None = typer.Option(None, "--model", help="override generator.model"),
+    method: str | None = typer.Option(None, "--drafting", help="override drafting.method (none|pld|trie|suffix|pldplus-h|pldplus-a|lookahead|ngrammys|auto)"),
+    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", help="override generator.max_new_tokens"),
+    where: list[str] | None = typer.Option(None, "--where", help="metadata filter, repeatable (see `search`)"),
 ):
     """Answer a question over an index: streamed, copied spans highlighted and cited, sources listed."""
 
@@ -182,15 +181,15 @@ def _print_stats(answer) -> None:
 
 def serve(
     index_path: Path = typer.Option(..., "--index", help="the index to answer over"),
-    spec: Optional[Path] = typer.Option(None, "--pipeline", help="pipeline YAML (its serve: section sets the limits)"),
+    spec: Path | None = typer.Option(None, "--pipeline", help="pipeline YAML (its serve: section sets the limits)"),
     host: str = typer.Option("127.0.0.1", "--host", help="address to bind; anything but loopback needs --api-key"),
     port: int = typer.Option(8000, "--port"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="RAGSPEC_API_KEY",
+    api_key: str | None = typer.Option(None, "--api-key", envvar="RAGSPEC_API_KEY",
                                           help="require Authorization: Bearer KEY on /v1 endpoints"),
     executor: str = typer.Option("local", "--executor", help="local | ray (replicas behind Ray Serve's proxy)"),
     replicas: int = typer.Option(1, "--replicas", help="with --executor ray: server replicas, each with its "
                                  "own model"),
-    address: Optional[str] = typer.Option(None, "--address", help="with --executor ray: the cluster "
+    address: str | None = typer.Option(None, "--address", help="with --executor ray: the cluster "
                                           "('auto', 'ray://HOST:10001'); default: start a local Ray"),
 ):
     """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/ask, /v1/search, …) and a web page at /."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -20,7 +19,7 @@ def bench_replay(
     prompts: Path = typer.Option(Path("../shared/data/spec_bench/question.jsonl"), "--prompts"),
     methods: str = typer.Option("pld,suffix,auto,oracle", "--methods", help="replayable: none, pld, trie, suffix, "
                                 "auto, oracle"),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="write the replay JSON here"),
+    json_out: Path | None = typer.Option(None, "--json", help="write the replay JSON here"),
 ):
     """Replay drafters over a bench run's recorded greedy outputs, without the model: tokens per step and the
     decode speed-up modelled from that run's t(n), beside what the run measured (tune here, confirm with bench)."""
@@ -82,7 +81,7 @@ def bench_replay(
 
 def bench_search(
     index_path: Path = typer.Argument(..., metavar="INDEX"),
-    queries: Optional[Path] = typer.Option(None, "--queries", help=".jsonl (text field) or one query per line"),
+    queries: Path | None = typer.Option(None, "--queries", help=".jsonl (text field) or one query per line"),
     n: int = typer.Option(200, "-n", help="queries to time (sampled from the index's chunks without --queries)"),
     as_json: bool = typer.Option(False, "--json"),
 ):
@@ -91,7 +90,6 @@ def bench_search(
     def body():
         quiet_libraries()
         from ragspec.eval.latency import bench_queries, sample_queries
-
         from ragspec.index.reader import Index
         from ragspec.retrieve.retriever import Retriever
         from ragspec.settings import RetrieverSettings
@@ -116,19 +114,19 @@ def bench_search(
 def bench(
     prompts: Path = typer.Option(Path("../shared/data/spec_bench/question.jsonl"), "--prompts"),
     category: str = typer.Option("rag", "--category", help="a Spec-Bench category, several (a,b,c), or all (each category in turn)"),
-    limit: Optional[int] = typer.Option(None, "--limit", help="at most N prompts (of each category with all)"),
+    limit: int | None = typer.Option(None, "--limit", help="at most N prompts (of each category with all)"),
     offset: int = typer.Option(0, "--offset", help="skip the category's first N prompts (a held-out fold)"),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", "--model"),
-    methods: Optional[str] = typer.Option(None, "--methods",
+    methods: str | None = typer.Option(None, "--methods",
                                           help="vanilla, hf-pld (llama-pld with --backend llama.cpp), none, pld, trie, "
                                                "suffix, pldplus-h, pldplus-a, lookahead, ngrammys, auto, oracle (the ceiling); default: "
                                                "vanilla,<peer>,pld,trie,suffix,oracle"),
     backend: str = typer.Option("transformers", "--backend", help="transformers or llama.cpp (the GGUF as shipped)"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     budget: str = typer.Option("auto", "--budget", help="draft tree size: auto (cost-aware) or a number"),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="write the result JSON here"),
-    plot_out: Optional[Path] = typer.Option(None, "--plot", help="write accepted-length histograms (PNG)"),
-    merge: Optional[list[str]] = typer.Option(None, "--merge", help="no run: merge these result JSONs (runs of "
+    json_out: Path | None = typer.Option(None, "--json", help="write the result JSON here"),
+    plot_out: Path | None = typer.Option(None, "--plot", help="write accepted-length histograms (PNG)"),
+    merge: list[str] | None = typer.Option(None, "--merge", help="no run: merge these result JSONs (runs of "
                                               "some categories each) into one table (and --json)"),
 ):
     """Decoding speed: vanilla greedy vs HF prompt lookup vs ragspec drafters, outputs checked identical."""
@@ -204,7 +202,7 @@ def bench(
     run(body)
 
 
-def _merge_runs(paths: list[str], json_out: Optional[Path]) -> None:
+def _merge_runs(paths: list[str], json_out: Path | None) -> None:
     from rich.console import Console
 
     from ragspec.bench.decoding import merge_categories

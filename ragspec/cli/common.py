@@ -38,10 +38,9 @@ def write_json_atomic(path: Path, data) -> None:
 
 
 def index_settings(**overrides):
-    from ragspec.settings import IndexSettings
-
     from pydantic import ValidationError
 
+    from ragspec.settings import IndexSettings
     from ragspec.spec import describe_error
 
     data = {k: v for k, v in overrides.items() if v is not None}

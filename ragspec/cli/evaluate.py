@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -20,11 +19,11 @@ def eval_retrieval(
     queries: Path = typer.Option(Path("../shared/data/scifact/queries.jsonl"), "--queries"),
     qrels: Path = typer.Option(Path("../shared/data/scifact/qrels/train.tsv"), "--qrels"),
     index_type: str = typer.Option("auto", "--index-type", help="the ANN index compared with exact search"),
-    embedder: Optional[str] = typer.Option(None, "--embedder"),
-    embed_dtype: Optional[str] = typer.Option(None, "--embed-dtype"),
-    out: Optional[Path] = typer.Option(None, "--out", help="where to keep the built indexes (reused)"),
-    limit: Optional[int] = typer.Option(None, "--limit", help="evaluate the first N queries"),
-    reranker: Optional[str] = typer.Option(None, "--reranker"),
+    embedder: str | None = typer.Option(None, "--embedder"),
+    embed_dtype: str | None = typer.Option(None, "--embed-dtype"),
+    out: Path | None = typer.Option(None, "--out", help="where to keep the built indexes (reused)"),
+    limit: int | None = typer.Option(None, "--limit", help="evaluate the first N queries"),
+    reranker: str | None = typer.Option(None, "--reranker"),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """nDCG@10, Recall@100, MRR@10 per stage, and ANN recall@10 against exact search."""
@@ -85,13 +84,13 @@ def eval_attribution(
     disambiguation: str = typer.Option("context", "--disambiguation", help="words found in several sources: "
                                        "neighbours | context | neighbours-context"),
     skip_question: bool = typer.Option(False, "--skip-question", help="no citation for a span the question holds"),
-    folds: Optional[int] = typer.Option(None, "--folds", help="K-fold: choose the settings on K-1 folds "
+    folds: int | None = typer.Option(None, "--folds", help="K-fold: choose the settings on K-1 folds "
                                         "(record i is in fold i % K), score the held-out fold"),
     min_precision: float = typer.Option(0.98, "--min-precision", help="with --folds: the attribution precision "
                                         "a setting needs on the training folds to be chosen (if any reaches it)"),
     criterion: str = typer.Option("pooled", "--criterion", help="with --folds: pooled (F1 over the training folds "
                                   "together) | worst-fold (the lowest F1 of the training folds)"),
-    limit: Optional[int] = typer.Option(None, "--limit"),
+    limit: int | None = typer.Option(None, "--limit"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ):
     """Copied-span attribution on QuoteSum (PLD+ Appendix D): token P/R/F1 for copied and for source."""
@@ -174,20 +173,20 @@ def eval_attribution(
 def eval_answers(
     data: Path = typer.Option(..., "--data", help="the question set (clapnq: a file, or a folder with both files)"),
     fmt: str = typer.Option(..., "--format", help="nq | clapnq | specbench"),
-    retrieve: Optional[Path] = typer.Option(None, "--retrieve", help="retrieve from this index instead of "
+    retrieve: Path | None = typer.Option(None, "--retrieve", help="retrieve from this index instead of "
                                             "answering over each record's own passages"),
-    spec: Optional[Path] = typer.Option(None, "--pipeline", help="pipeline YAML (default settings without it)"),
-    style: Optional[str] = typer.Option(None, "--style", help="override prompt.style (quote | free | brief)"),
-    model: Optional[str] = typer.Option(None, "--model", help="override generator.model"),
-    limit: Optional[int] = typer.Option(None, "--limit", help="the first N records (clapnq folder: N of each file)"),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="override generator.max_new_tokens"),
-    relevance_floor: Optional[str] = typer.Option(None, "--relevance-floor", help="override prompt.relevance_floor "
+    spec: Path | None = typer.Option(None, "--pipeline", help="pipeline YAML (default settings without it)"),
+    style: str | None = typer.Option(None, "--style", help="override prompt.style (quote | free | brief)"),
+    model: str | None = typer.Option(None, "--model", help="override generator.model"),
+    limit: int | None = typer.Option(None, "--limit", help="the first N records (clapnq folder: N of each file)"),
+    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", help="override generator.max_new_tokens"),
+    relevance_floor: str | None = typer.Option(None, "--relevance-floor", help="override prompt.relevance_floor "
                                                   "(auto | off | a cosine): decline when no source is about the "
                                                   "question"),
-    relevance_doubt: Optional[str] = typer.Option(None, "--relevance-doubt", help="override prompt.relevance_doubt "
+    relevance_doubt: str | None = typer.Option(None, "--relevance-doubt", help="override prompt.relevance_doubt "
                                                   "(auto | none | a cosine): up to it the model is offered to "
                                                   "decline"),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="write the result JSON here (rewritten after "
+    json_out: Path | None = typer.Option(None, "--json", help="write the result JSON here (rewritten after "
                                             "every record)"),
 ):
     """Answer quality: contains-a-reference, token F1, refusals, citation coverage, TTFT and decode speed."""

@@ -6,7 +6,6 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -17,19 +16,19 @@ from ragspec.errors import RagspecError
 
 def index(
     path: Path = typer.Argument(..., help="corpus folder (or one .jsonl/.json file)"),
-    name: Optional[str] = typer.Option(None, "--name", help="index name (default: the corpus folder's name)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="index path (default: indexes/NAME)"),
-    embedder: Optional[str] = typer.Option(None, "--embedder", help="embedded name, HF id or folder"),
-    index_type: Optional[str] = typer.Option(None, "--index-type", help="auto | flat | ivfpq"),
-    factory: Optional[str] = typer.Option(None, "--factory", help="exact FAISS factory, e.g. 'IVF4096,PQ64'"),
-    chunk_tokens: Optional[int] = typer.Option(None, "--chunk-tokens", help="chunk size in tokens (256)"),
-    overlap: Optional[int] = typer.Option(None, "--overlap", help="chunk overlap in tokens (32)"),
-    embed_dtype: Optional[str] = typer.Option(None, "--embed-dtype", help="auto | float32 | bfloat16"),
-    nprobe: Optional[int] = typer.Option(None, "--nprobe", help="IVF lists probed per query (16)"),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda"),
-    spec: Optional[Path] = typer.Option(None, "--pipeline", help="take index settings from a pipeline YAML"),
+    name: str | None = typer.Option(None, "--name", help="index name (default: the corpus folder's name)"),
+    out: Path | None = typer.Option(None, "--out", help="index path (default: indexes/NAME)"),
+    embedder: str | None = typer.Option(None, "--embedder", help="embedded name, HF id or folder"),
+    index_type: str | None = typer.Option(None, "--index-type", help="auto | flat | ivfpq"),
+    factory: str | None = typer.Option(None, "--factory", help="exact FAISS factory, e.g. 'IVF4096,PQ64'"),
+    chunk_tokens: int | None = typer.Option(None, "--chunk-tokens", help="chunk size in tokens (256)"),
+    overlap: int | None = typer.Option(None, "--overlap", help="chunk overlap in tokens (32)"),
+    embed_dtype: str | None = typer.Option(None, "--embed-dtype", help="auto | float32 | bfloat16"),
+    nprobe: int | None = typer.Option(None, "--nprobe", help="IVF lists probed per query (16)"),
+    device: str | None = typer.Option(None, "--device", help="cpu | cuda"),
+    spec: Path | None = typer.Option(None, "--pipeline", help="take index settings from a pipeline YAML"),
     executor: str = typer.Option("local", "--executor", help="local | ray (chunk and embed on a Ray cluster)"),
-    address: Optional[str] = typer.Option(None, "--address", help="with --executor ray: the cluster "
+    address: str | None = typer.Option(None, "--address", help="with --executor ray: the cluster "
                                           "('auto', 'ray://HOST:10001'); default: start a local Ray"),
     embed_actors: int = typer.Option(1, "--embed-actors", help="with --executor ray: embedding actors"),
     gpus_per_actor: float = typer.Option(0.0, "--gpus-per-actor", help="with --executor ray: GPUs per actor "
@@ -94,14 +93,14 @@ def _index_executor(kind: str, address: str | None, actors: int, gpus: float):
 
 def search(
     args: list[str] = typer.Argument(..., metavar="[INDEX] QUERY", help="the query (after the index path when no --index)"),
-    index_opt: Optional[Path] = typer.Option(None, "--index", help="index path, e.g. indexes/NAME"),
+    index_opt: Path | None = typer.Option(None, "--index", help="index path, e.g. indexes/NAME"),
     k: int = typer.Option(5, "-k", "--top", help="results to show"),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON document (schema in README)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON document (schema: docs/indexing.md)"),
     mode: str = typer.Option("hybrid", "--mode", help="hybrid | dense | bm25"),
-    reranker: Optional[str] = typer.Option(None, "--reranker", help="CrossEncoder name or folder"),
-    where: Optional[list[str]] = typer.Option(None, "--where", help="metadata filter, repeatable: 'path=tutorial/*', "
+    reranker: str | None = typer.Option(None, "--reranker", help="CrossEncoder name or folder"),
+    where: list[str] | None = typer.Option(None, "--where", help="metadata filter, repeatable: 'path=tutorial/*', "
                                               "'year>=2020', 'type in md,rst'"),
-    diversity: Optional[float] = typer.Option(None, "--diversity", help="MMR strength, 0 (off) … 1"),
+    diversity: float | None = typer.Option(None, "--diversity", help="MMR strength, 0 (off) … 1"),
 ):
     """Search an index: rank, score, document path, character offsets, text."""
 
@@ -138,9 +137,9 @@ def search(
         for h in hits:
             out.print(f"[bold]{h.rank}.[/] [cyan]{h.path}[/]{'#' + h.key if h.key else ''} "
                       f"[dim][{h.start}:{h.end}] score {h.score:.4f}[/]")
-            for l in h.locations[1:]:
-                out.print(f"   [dim]also {l.kind} in[/] [cyan]{l.path}[/]{'#' + l.key if l.key else ''} "
-                          f"[dim][{l.start}:{l.end}][/]")
+            for loc in h.locations[1:]:
+                out.print(f"   [dim]also {loc.kind} in[/] [cyan]{loc.path}[/]{'#' + loc.key if loc.key else ''} "
+                          f"[dim][{loc.start}:{loc.end}][/]")
             snippet = " ".join(h.text.split())
             out.print("   " + (snippet[:300] + ("…" if len(snippet) > 300 else "")))
         console.print(f"[dim]{len(hits)} results in {ms:.0f} ms ({', '.join(retriever.stages)})[/]")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -13,11 +12,11 @@ from ragspec.errors import RagspecError
 
 
 def models(
-    prepare: Optional[str] = typer.Option(None, "--prepare", help="convert an embedded generator now"),
+    prepare: str | None = typer.Option(None, "--prepare", help="convert an embedded generator now"),
     verify: bool = typer.Option(False, "--verify", help="re-hash every cached model file"),
     calibrate: bool = typer.Option(False, "--calibrate", help="measure (or show) which backend and dtype run "
                                    "a generator fastest on this machine: what generator.backend auto takes"),
-    model: Optional[str] = typer.Option(None, "--model", help="the generator to calibrate (default: the default)"),
+    model: str | None = typer.Option(None, "--model", help="the generator to calibrate (default: the default)"),
     force: bool = typer.Option(False, "--force", help="with --calibrate: measure again, even if cached"),
 ):
     """List the model registry: embedded offline models and where their weights are."""
@@ -26,8 +25,14 @@ def models(
         from rich.console import Console
 
         from ragspec.models.gguf_cache import cache_dir, ensure_converted, is_valid
-        from ragspec.models.registry import (DEFAULT_GENERATOR, EMBEDDED, ONLINE_EMBEDDER, ONLINE_RERANKER, lookup,
-                                             part_paths)
+        from ragspec.models.registry import (
+            DEFAULT_GENERATOR,
+            EMBEDDED,
+            ONLINE_EMBEDDER,
+            ONLINE_RERANKER,
+            lookup,
+            part_paths,
+        )
 
         out = Console(highlight=False, soft_wrap=True)
         if calibrate:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from ragspec.corpus.readers import SUPPORTED, Record, SkipFile, read_records, title_of
 

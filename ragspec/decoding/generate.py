@@ -5,16 +5,16 @@ max_new_tokens — never emitting past any of them."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Iterator
 
 from ragspec.decoding.backends import make_backend
 from ragspec.decoding.backends.base import check_cancel
 from ragspec.decoding.budget import AdaptiveBudget, settle
-from ragspec.decoding.drafters.base import DraftState, Drafter, NoDraft, Segment
-from ragspec.decoding.tree import DraftTree
+from ragspec.decoding.drafters.base import Drafter, DraftState, NoDraft, Segment
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.stream import IncrementalDecoder
+from ragspec.decoding.tree import DraftTree
 
 
 @dataclass
@@ -62,7 +62,7 @@ class SpeculativeGenerator:
 
     def __init__(self, model, tokenizer, drafter: Drafter | None = None, sampling: SamplingSettings | None = None,
                  max_new_tokens: int = 128, stop_strings: tuple[str, ...] = (), eos_token_ids=None,
-                 budget: "int | AdaptiveBudget" = 64):
+                 budget: int | AdaptiveBudget = 64):
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter or NoDraft()

@@ -90,13 +90,13 @@ class DraftTree:
             node = self.parents[node]
         return out[::-1]
 
-    def truncated(self, budget: int) -> "DraftTree":
+    def truncated(self, budget: int) -> DraftTree:
         """The first `budget` nodes (ancestors always precede descendants, so the result is a tree)."""
         if budget >= len(self):
             return self
         return self.subset(range(budget))
 
-    def subset(self, nodes) -> "DraftTree":
+    def subset(self, nodes) -> DraftTree:
         """A tree of the given nodes, in the given order (each node's parent must come before it)."""
         t = DraftTree()
         new_index = {-1: -1}

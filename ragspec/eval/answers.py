@@ -28,9 +28,9 @@ import statistics
 import string
 import unicodedata
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from ragspec.errors import RagspecError
 from ragspec.pipeline.attribution import WORD

@@ -80,7 +80,7 @@ class PRF:
     pred: int = 0
     gold: int = 0
 
-    def __add__(self, other: "PRF") -> "PRF":
+    def __add__(self, other: PRF) -> PRF:
         return PRF(self.tp + other.tp, self.pred + other.pred, self.gold + other.gold)
 
     def as_dict(self) -> dict:

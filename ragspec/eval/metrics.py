@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 
 def ndcg_at(ranked: Sequence[str], rel: Mapping[str, int], k: int = 10) -> float:

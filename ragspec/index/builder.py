@@ -408,7 +408,7 @@ def _compatible(prev_manifest: dict, s: IndexSettings) -> bool:
     )
 
 
-def _faiss_plan(s: IndexSettings, n: int, dim: int) -> "faiss_index.FaissPlan":
+def _faiss_plan(s: IndexSettings, n: int, dim: int) -> faiss_index.FaissPlan:
     """The FAISS plan these settings ask for (one place, for building and for the up-to-date check)."""
     return faiss_index.plan_index(n, dim, s.index_type, s.faiss_factory, s.nprobe, s.refine, s.refine_k_factor,
                                   s.spill)

@@ -10,17 +10,28 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
-from langchain_core.callbacks import (AsyncCallbackManagerForLLMRun, AsyncCallbackManagerForRetrieverRun,
-                                      CallbackManagerForLLMRun, CallbackManagerForRetrieverRun)
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForLLMRun,
+    AsyncCallbackManagerForRetrieverRun,
+    CallbackManagerForLLMRun,
+    CallbackManagerForRetrieverRun,
+)
 from langchain_core.documents import Document
-from langchain_core.language_models import BaseChatModel, LLM
+from langchain_core.language_models import LLM, BaseChatModel
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.messages.ai import UsageMetadata
-from langchain_core.outputs import (ChatGeneration, ChatGenerationChunk, ChatResult, Generation,
-                                    GenerationChunk, LLMResult)
+from langchain_core.outputs import (
+    ChatGeneration,
+    ChatGenerationChunk,
+    ChatResult,
+    Generation,
+    GenerationChunk,
+    LLMResult,
+)
 from langchain_core.retrievers import BaseRetriever
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 

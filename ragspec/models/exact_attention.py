@@ -13,7 +13,7 @@ Here scores, softmax and the weighted sum run in float64 and round once to the m
 differences (~1e-16 relative) cross a float32 rounding boundary about once in 10⁸ values, so the rounded result
 is, in practice, the same bits whichever way the rows were batched. The cost is in prefill: Qwen2.5-0.5B int8 on
 2 Zen 3 cores prefilled 1,000 tokens at 103 tok/s against 154 with PyTorch's attention; t(1)–t(16) barely moved
-(README, *CPU dtypes*). Keys hidden from a whole block of queries (a prompt's causal future) are left out.
+(docs/decoding.md, *CPU dtypes*). Keys hidden from a whole block of queries (a prompt's causal future) are left out.
 """
 
 from __future__ import annotations

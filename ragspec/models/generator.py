@@ -101,7 +101,7 @@ def load_llama_generator(name: str, n_ctx: int = 4096):
 
 _shared: dict[tuple[str, str, str], tuple] = {}
 _shared_lock = threading.Lock()
-_model_locks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_model_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def shared_generator(name: str, device: str = "cpu", dtype: str = "float32", backend: str = "transformers"):

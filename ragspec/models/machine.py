@@ -37,13 +37,13 @@ SIZES = (1, 2, 4, 8, 16)  # t(n) measured at these n
 MATMUL = (1024, 896, 4864)  # M×K×N: a 1,024-token prefill through Qwen2.5-0.5B's MLP up-projection
 # Drafting: each draft token is accepted with this chance once its parent is (geometric, so a step of k
 # drafts yields (1 - ACCEPT^(k+1)) / (1 - ACCEPT) tokens; 0.7 gives the ~3 tokens a step suffix drafting
-# reaches on Spec-Bench rag, README). One acceptance for every candidate: the same drafts are accepted
+# reaches on Spec-Bench rag, docs/models.md). One acceptance for every candidate: the same drafts are accepted
 # whatever runs the model; what differs is what a step of 1 + k tokens costs, t(1 + k).
 ACCEPT = 0.7
 FORMAT = 1  # bump when the table's layout or the measurement changes: old cache files are then ignored
 # The answer length a pipeline plans for: max_new_tokens is a cap, not a length. The 12 quickstart asks of
 # examples/source_stats.py (quote style, Qwen2.5-0.5B) answered in 9-67 tokens (median 13, mean 21), so their
-# time is mostly prefill; planning for the cap (256) would pick the faster decoder and lose (README).
+# time is mostly prefill; planning for the cap (256) would pick the faster decoder and lose (docs/models.md).
 EXPECTED_ANSWER_TOKENS = 32
 BUSY = 0.7  # a measurement that got less than this share of its cores ran beside another job: measured again
 TIMEOUT_S = 1800  # per candidate; a busy 2-core machine measures Qwen2.5-0.5B float32 in about a minute

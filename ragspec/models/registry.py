@@ -69,7 +69,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
             note="Q4_K_M GGUF in 6 parts; the default generator",
             # the relevance gate measured for this generator, per embedder: (floor, doubt), chosen on CLAP NQ
-            # 151-300 and NQ-open 201-400 (README, *Declining*; pipeline/relevance.py)
+            # 151-300 and NQ-open 201-400 (docs/evaluation.md, *Declining*; pipeline/relevance.py)
             extra={"relevance_band": {"all-minilm-l6-v2": (0.49, 0.58)}},
         ),
         EmbeddedModel(
@@ -97,7 +97,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             hub_id="sentence-transformers/all-MiniLM-L6-v2",
             note="384-d; the default embedder",
             # the relevance gate's floor (pipeline/relevance.py): the lower of the two scores below which 15 % of
-            # the answerable records fall, CLAP NQ 151-300 (0.564) and NQ-open 201-400 (0.531) (README, *Declining*)
+            # the answerable records fall, CLAP NQ 151-300 (0.564) and NQ-open 201-400 (0.531) (docs/evaluation.md, *Declining*)
             extra={"relevance_floor": 0.53},
         ),
     ]

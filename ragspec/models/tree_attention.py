@@ -5,7 +5,7 @@ transformers' `sdpa` attention copies every key/value head once per query head t
 before calling the kernel, because its CUDA kernels cannot take both a mask and grouped heads. On CPU they can
 (`enable_gqa=True`), and the copy is not small: Qwen2.5-0.5B (14 query heads on 2 key/value heads, 24 layers)
 copies ~190 MB per forward over a 1,100-token cache. Measured on 2 Zen 4 cores, fp32, a forward of 8 / 16 / 24
-rows over 1,600 cached tokens went from 136 / 179 / 219 ms to 117 / 160 / 196 ms (README, *Attention in
+rows over 1,600 cached tokens went from 136 / 179 / 219 ms to 117 / 160 / 196 ms (docs/decoding.md, *Attention in
 draft-tree steps*). Everything else (one-row steps, unmasked prompts, other devices) is transformers' own `sdpa`.
 
 In float32 the result differs from the copying path by rounding only (tests compare logits and greedy output).

@@ -6,5 +6,19 @@ from ragspec.pipeline.declined import DECLINED, is_declined
 from ragspec.pipeline.pipeline import Pipeline
 from ragspec.pipeline.prompt import BuiltPrompt, PromptBuilder, SourceText
 
-__all__ = ["Answer", "AnswerStats", "BuiltPrompt", "Citation", "CitationEvent", "CopyMatcher", "DECLINED", "DoneEvent",
-           "Pipeline", "PromptBuilder", "SourceText", "SourcesEvent", "TextEvent", "is_declined"]
+__all__ = [
+           "DECLINED",
+           "Answer",
+           "AnswerStats",
+           "BuiltPrompt",
+           "Citation",
+           "CitationEvent",
+           "CopyMatcher",
+           "DoneEvent",
+           "Pipeline",
+           "PromptBuilder",
+           "SourceText",
+           "SourcesEvent",
+           "TextEvent",
+           "is_declined",
+]

@@ -14,7 +14,7 @@ one is ambiguous too, the sources the two share), else the previous citation's, 
 draft tokens were copied from, else the best-ranked. (`neighbours`, the rule before: the same without the
 context and the shared sources. The drafter only breaks the last ties: the trie's occurrence choice is
 frequency-ranked, not source-aware.) On the 5 QuoteSum folds at 3 words / 10 chars, `context` moved
-attribution precision per fold by 0, -.004, +.007, 0, +.003 (2 spans fixed, 1 broken; README).
+attribution precision per fold by 0, -.004, +.007, 0, +.003 (2 spans fixed, 1 broken; docs/evaluation.md).
 
 Offsets: `start`/`end` index the document, and `document_text[start:end] == quote` exactly. A source found in
 several places (copies of one paragraph, chunks contained in it) gives each citation every location whose text

@@ -11,24 +11,31 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
-from typing import AsyncIterator, Iterable, Iterator
 
 from ragspec.decoding.drafters import check_params, make_drafter
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.errors import RagspecError
-from ragspec.pipeline.answer import (Answer, AnswerStats, CitationEvent, DoneEvent, Event, SourcesEvent,
-                                     TextEvent)
 from ragspec.pipeline.aio import iterate_in_thread
+from ragspec.pipeline.answer import (
+    Answer,
+    AnswerStats,
+    CitationEvent,
+    DoneEvent,
+    Event,
+    SourcesEvent,
+    TextEvent,
+)
 from ragspec.pipeline.attribution import CopyMatcher
 from ragspec.pipeline.declined import is_declined
-from ragspec.pipeline.relevance import is_task_on_sources
 from ragspec.pipeline.prompt import NO_DECLINE, BuiltPrompt, PromptBuilder, SourceText
+from ragspec.pipeline.relevance import is_task_on_sources
 from ragspec.spec import PipelineSpec, load_spec
 
 
 class Pipeline:
-    def __init__(self, spec: "PipelineSpec | dict | str | Path | None" = None, index=None, *, model=None,
+    def __init__(self, spec: PipelineSpec | dict | str | Path | None = None, index=None, *, model=None,
                  tokenizer=None):
         """`index`: a path to a built index, an opened `Index` or a `Retriever` (default: `retriever.index`
         of the spec). `model`/`tokenizer`: an already loaded generator to use instead of `generator.model`."""
@@ -50,7 +57,7 @@ class Pipeline:
         self._load_lock = threading.RLock()
 
     @classmethod
-    def from_spec(cls, spec: "PipelineSpec | dict | str | Path | None" = None, index=None, **kwargs) -> "Pipeline":
+    def from_spec(cls, spec: PipelineSpec | dict | str | Path | None = None, index=None, **kwargs) -> Pipeline:
         return cls(spec, index, **kwargs)
 
     # -- parts, loaded once ----------------------------------------------------------------------------------
@@ -91,7 +98,7 @@ class Pipeline:
                     self._retriever = Retriever(idx, self.spec.retriever, device=self.spec.index.device)
             return self._retriever
 
-    def load(self, progress=None) -> "Pipeline":
+    def load(self, progress=None) -> Pipeline:
         """Load the generator (and measure its forward cost once, when the draft budget is 'auto'). With
         `generator.backend` / `dtype` auto on a CPU, the backend and dtype are the fastest measured on this
         machine for this pipeline's ask shape (measured once per machine; `progress(line)` hears about it)."""
@@ -198,7 +205,7 @@ class Pipeline:
         return out, ms
 
     # -- answering -------------------------------------------------------------------------------------------
-    def enable_prefix_cache(self, capacity: int = 4) -> "Pipeline":
+    def enable_prefix_cache(self, capacity: int = 4) -> Pipeline:
         """Keep the KV caches of the last `capacity` generations; a prompt that starts with one of them (a
         follow-up turn over the same sources) prefills only the rest. Greedy output stays the same."""
         from ragspec.decoding.prefix_cache import PrefixStore
@@ -206,9 +213,9 @@ class Pipeline:
         self.prefix_cache = PrefixStore(capacity) if capacity > 0 else None
         return self
 
-    def stream(self, question: str, *, documents: "Iterable[str | SourceText] | None" = None,
-               max_new_tokens: int | None = None, stop: "Iterable[str] | None" = None,
-               temperature: float | None = None, history: "list[dict] | None" = None,
+    def stream(self, question: str, *, documents: Iterable[str | SourceText] | None = None,
+               max_new_tokens: int | None = None, stop: Iterable[str] | None = None,
+               temperature: float | None = None, history: list[dict] | None = None,
                instructions: str | None = None, filter=None, cancel=None,
                on_progress=None) -> Iterator[Event]:
         """Events: SourcesEvent, then TextEvent and CitationEvent as they happen, then DoneEvent(answer).
@@ -286,8 +293,8 @@ class Pipeline:
             async for ev in events:
                 yield ev
 
-    def stream_prompt(self, prompt: "str | list[dict]", *, max_new_tokens: int | None = None,
-                      stop: "Iterable[str] | None" = None, temperature: float | None = None, cancel=None,
+    def stream_prompt(self, prompt: str | list[dict], *, max_new_tokens: int | None = None,
+                      stop: Iterable[str] | None = None, temperature: float | None = None, cancel=None,
                       on_progress=None) -> Iterator[Event]:
         """Generate for a prompt that already holds its documents (a text, sent as one user turn, or chat
         messages); drafts and citations come from the prompt itself (source 1, path '<prompt>')."""
@@ -395,7 +402,7 @@ def given_choice(model):
     return Choice("transformers", dtype, "a loaded model was given")
 
 
-def as_sources(documents: "Iterable[str | SourceText]") -> list[SourceText]:
+def as_sources(documents: Iterable[str | SourceText]) -> list[SourceText]:
     out = []
     for i, doc in enumerate(documents, 1):
         if isinstance(doc, SourceText):

@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 
 from ragspec.decoding.drafters.base import Segment
 from ragspec.errors import RagspecError
-
 from ragspec.pipeline.declined import DECLINED
 
 # How the instruction to decline is phrased. The wording that works depends on the model (measured on held-out
-# NQ-open and CLAP NQ records, README "Declining"):
+# NQ-open and CLAP NQ records, docs/evaluation.md "Declining"):
 # - last_resort: "reply exactly … and nothing else" made Qwen2.5-0.5B decline most answerable questions (5 of 6
 #   in a probe); this wording declined 2 of 9, and is the 0.5B's best (answer contains 0.60 vs 0.50 for
 #   `expected` on 40 held-out NQ records);
@@ -101,7 +100,7 @@ class BuiltPrompt:
 
 
 def render_messages(style: str, system: str | None, question: str, sources: list[SourceText],
-                    history: "list[dict] | None" = None) -> tuple[list[dict], list[tuple[int, int]]]:
+                    history: list[dict] | None = None) -> tuple[list[dict], list[tuple[int, int]]]:
     """Chat messages and, per source, the (start, end) of its text inside the (first) user message.
 
     `history`: earlier turns of a conversation ({"role": "user"|"assistant", "content"}, starting with a user
@@ -152,7 +151,7 @@ class PromptBuilder:
             merged = [{"role": "user", "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}] + messages[2:]
             return self.tokenizer.apply_chat_template(merged, add_generation_prompt=True, tokenize=False)
 
-    def build(self, question: str, sources: list[SourceText], history: "list[dict] | None" = None,
+    def build(self, question: str, sources: list[SourceText], history: list[dict] | None = None,
               instructions: str | None = None) -> BuiltPrompt:
         """`history`: earlier conversation turns (see `render_messages`); `instructions`: appended to the
         system instruction."""

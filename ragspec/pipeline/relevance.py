@@ -6,7 +6,7 @@ from unanswerable questions with an AUC of 0.64, and a yes/no check turn 0.58; t
 the question and the sources does it with 0.84-0.90. So the pipeline embeds the question, every window of two
 sentences of each source (alone, and after its title) and each whole source (its text); the score is
 the mean of the best window's cosine and the best whole source's. Under the floor it answers `DECLINED`
-without running the model, and otherwise asks for an answer without offering to decline (README, *Declining*).
+without running the model, and otherwise asks for an answer without offering to decline (docs/evaluation.md, *Declining*).
 Both parts, because each fails where the other holds: a retrieved chunk often holds several topics and its
 whole cosine drops (0.35 for a river chunk that says what barges carry on the Rhine, 0.72 for its window),
 while a passage from the right page that lacks the asked fact often has one window close to the question's
@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ragspec.settings import parse_floor
-
 
 _SENTENCE_END = re.compile(r"(?<=[.!?;])\s+|\n+")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def rrf(rankings: Sequence[Sequence[int]], k: int = 60) -> list[tuple[int, float]]:

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ragspec.errors import RagspecError
-from ragspec.index.reader import Index
 from ragspec.index.filters import as_filter
+from ragspec.index.reader import Index
 from ragspec.retrieve.fusion import rrf
 from ragspec.retrieve.mmr import mmr
 from ragspec.retrieve.sources import Location, group_candidates

@@ -28,14 +28,28 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
-from starlette.exceptions import HTTPException  # FastAPI's subclasses it; routing and body parsing raise this one
+from starlette.exceptions import (
+    HTTPException,  # FastAPI's subclasses it; routing and body parsing raise this one
+)
 
 from ragspec.errors import Cancelled, RagspecError
 from ragspec.pipeline import CitationEvent, DoneEvent, Pipeline, SourcesEvent, TextEvent
 from ragspec.pipeline.answer import source_json
-from ragspec.serve.openai_schema import (AskRequest, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-                                         ChunkChoice, Choice, Delta, ModelCard, ModelList, ResponseMessage,
-                                         SearchRequest, Usage, error_body)
+from ragspec.serve.openai_schema import (
+    AskRequest,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    Delta,
+    ModelCard,
+    ModelList,
+    ResponseMessage,
+    SearchRequest,
+    Usage,
+    error_body,
+)
 from ragspec.settings import ServeSettings
 
 STATIC = Path(__file__).resolve().parent / "static"

@@ -62,4 +62,4 @@ def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | Non
     return model_cost
 
 
-__all__ = ["Backend", "NAMES", "StepResult", "backend_class", "calibrate", "cost_key", "is_llama", "make_backend"]
+__all__ = ["NAMES", "Backend", "StepResult", "backend_class", "calibrate", "cost_key", "is_llama", "make_backend"]

@@ -10,8 +10,9 @@ the forward time of n tokens, for the budget.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ragspec.decoding.tree import DraftTree
 from ragspec.errors import Cancelled

@@ -6,8 +6,8 @@ rows move). It alone offers hidden states (PLD+ h) and attention rows (PLD+ a).
 
 from __future__ import annotations
 
-import time
 import hashlib
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -227,7 +227,7 @@ class TransformersBackend:
             layer.values = layer.values[:, :, :end]
         self.cached = end
 
-    def fork(self) -> "TransformersBackend":
+    def fork(self) -> TransformersBackend:
         """A copy with its own KV cache (cloned) and the same random stream: many samples, one prefill."""
         import copy
 

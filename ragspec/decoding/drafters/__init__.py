@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 from ragspec.decoding.drafters.auto import AutoDrafter
-from ragspec.decoding.drafters.base import DraftState, Drafter, NoDraft, Segment
+from ragspec.decoding.drafters.base import Drafter, DraftState, NoDraft, Segment
 from ragspec.decoding.drafters.lookahead import LookaheadDrafter
 from ragspec.decoding.drafters.ngrammys import NgrammysDrafter
 from ragspec.decoding.drafters.oracle import OracleDrafter
@@ -104,5 +104,21 @@ def bigram_source(model, params: dict):
     return (lambda tokens, k_, w_: backend.bigram_rows(model, tokens, k_, w_)), path
 
 
-__all__ = ["AutoDrafter", "DraftState", "Drafter", "LookaheadDrafter", "METHODS", "NgrammysDrafter", "NoDraft", "NgramTrieDrafter", "OracleDrafter", "PLDPlusAttentionDrafter",
-           "PLDPlusHiddenDrafter", "PromptLookupDrafter", "Segment", "SuffixDrafter", "check_params", "make_drafter"]
+__all__ = [
+    "METHODS",
+    "AutoDrafter",
+    "DraftState",
+    "Drafter",
+    "LookaheadDrafter",
+    "NgramTrieDrafter",
+    "NgrammysDrafter",
+    "NoDraft",
+    "OracleDrafter",
+    "PLDPlusAttentionDrafter",
+    "PLDPlusHiddenDrafter",
+    "PromptLookupDrafter",
+    "Segment",
+    "SuffixDrafter",
+    "check_params",
+    "make_drafter",
+]

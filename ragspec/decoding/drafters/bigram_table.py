@@ -11,9 +11,9 @@ from __future__ import annotations
 import sqlite3
 import struct
 import zlib
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
-from typing import Callable
 
 RowsFn = Callable[[list[int], int, int], "dict[int, list[list[int]]]"]
 
