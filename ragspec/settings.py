@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ragspec.errors import RagspecError
 from ragspec.models.registry import DEFAULT_EMBEDDER, DEFAULT_GENERATOR
@@ -38,6 +38,19 @@ def parse_doubt(value) -> str | float | None:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     return _cosine(value, "relevance_doubt", "auto, null")
+
+
+def parse_source_tokens(value) -> str | int:
+    """`prompt.source_tokens` as given in YAML or on the command line: "auto", "off" or a token count (≥ 1)."""
+    if isinstance(value, str) and value.strip().lower() in ("auto", "off"):
+        return value.strip().lower()
+    try:
+        n = None if isinstance(value, bool) or float(value) != int(float(value)) else int(float(value))
+    except (TypeError, ValueError, OverflowError):
+        n = None
+    if n is None or n < 1:
+        raise RagspecError(f"source_tokens must be auto, off or a number of tokens (1 or more), not {value!r}")
+    return n
 
 
 class Strict(BaseModel):
@@ -118,6 +131,16 @@ class PromptSettings(Strict):
         "on it is asked to answer. auto: with relevance_floor auto, the floor and band measured for the generator "
         "with the embedder (registry; none measured: no band); null: no band (docs/evaluation.md, *Declining*)"
     )
+    source_tokens: Literal["auto", "off"] | int = Field(
+        "auto", description="the source budget: tokens of source text sent over all sources, each source cut to "
+        "the sentence windows that bear on the question (kept in rank order, gaps shown as …; a code block or "
+        "table kept whole or not at all); off: every source whole; auto: the budget measured for the generator "
+        "(registry `source_tokens`; none measured: off). Not applied to a task on the sources (docs/pipelines.md)"
+    )
+    source_floor: int = Field(
+        0, ge=0, description="with a source budget, the tokens each kept source is given at least (0: its best "
+        "window)"
+    )
     max_context_tokens: int | None = Field(
         None, ge=64, description="prompt budget; default the model's window minus max_new_tokens"
     )
@@ -125,6 +148,14 @@ class PromptSettings(Strict):
         2048, ge=1, description="a longer question is refused in one line before any retrieval or prefill "
         "(a 30,000-token question is minutes of prefill on a CPU)"
     )
+
+    @field_validator("source_tokens", mode="before")
+    @classmethod
+    def _source_tokens_parse(cls, value):
+        try:
+            return parse_source_tokens(value)
+        except RagspecError as e:
+            raise ValueError(str(e)) from None
 
     @model_validator(mode="after")
     def _floor_and_doubt_parse(self):

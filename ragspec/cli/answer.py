@@ -24,6 +24,9 @@ def ask(
     method: str | None = typer.Option(None, "--drafting", help="override drafting.method (none|pld|trie|suffix|pldplus-h|pldplus-a|lookahead|ngrammys|auto)"),
     max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", help="override generator.max_new_tokens"),
     where: list[str] | None = typer.Option(None, "--where", help="metadata filter, repeatable (see `search`)"),
+    source_tokens: str | None = typer.Option(None, "--source-tokens", help="override prompt.source_tokens (auto | "
+                                                "off | N): cut the sources to N tokens of the windows that bear "
+                                                "on the question"),
 ):
     """Answer a question over an index: streamed, copied spans highlighted and cited, sources listed."""
 
@@ -44,7 +47,16 @@ def ask(
             data["generator"]["max_new_tokens"] = max_new_tokens
         if where:
             data["retriever"]["filter"] = list(where)
-        pipe = Pipeline(load_spec(data) if (model or method or max_new_tokens is not None or where) else load_spec(spec),
+        if source_tokens is not None:
+            from ragspec.settings import parse_source_tokens
+
+            try:
+                data["prompt"]["source_tokens"] = parse_source_tokens(source_tokens)
+            except RagspecError:
+                raise RagspecError(f"--source-tokens must be auto, off or a number of tokens (1 or more), "
+                                   f"not '{source_tokens}'") from None
+        changed = model or method or max_new_tokens is not None or where or source_tokens is not None
+        pipe = Pipeline(load_spec(data) if changed else load_spec(spec),
                         str(index_path) if index_path else None)
         with console.status("loading the index and the model…"):
             pipe.retriever  # noqa: B018 — open the index now, so a bad path fails before the model loads
@@ -160,6 +172,8 @@ def _print_sources(answer) -> None:
     for s in answer.sources:
         where = s.path + (f"#{s.key}" if s.key else "")
         span = f"lines {s.lines[0]}–{s.lines[1]}" if s.lines else f"chars {s.start}–{s.end}"
+        if s.pieces:  # cut by the source budget: the ranges that were sent
+            span += " (sent chars " + ", ".join(f"{a}–{b}" for a, b in s.pieces) + ")"
         n = len(cited.get(s.number, []))
         quoted = f"[green]{n} quote{'s' if n != 1 else ''}[/]" if n else "[dim]not quoted[/]"
         out.print(f"  [{s.number}] [cyan]{where}[/] {span} [dim](score {s.score:.4f})[/] {quoted}")

@@ -186,6 +186,9 @@ def eval_answers(
     relevance_doubt: str | None = typer.Option(None, "--relevance-doubt", help="override prompt.relevance_doubt "
                                                   "(auto | none | a cosine): up to it the model is offered to "
                                                   "decline"),
+    source_tokens: str | None = typer.Option(None, "--source-tokens", help="override prompt.source_tokens "
+                                                "(auto | off | N): cut the sources to N tokens of the windows "
+                                                "that bear on the question"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result JSON here (rewritten after "
                                             "every record)"),
 ):
@@ -207,6 +210,13 @@ def eval_answers(
             raise RagspecError("--limit must be at least 1")
         if max_new_tokens is not None and max_new_tokens < 1:
             raise RagspecError("--max-new-tokens must be at least 1")
+        from ragspec.settings import parse_source_tokens
+
+        try:
+            budget = parse_source_tokens(source_tokens) if source_tokens is not None else None
+        except RagspecError:
+            raise RagspecError(f"--source-tokens must be auto, off or a number of tokens (1 or more), "
+                               f"not '{source_tokens}'") from None
         if retrieve is not None and not retrieve.exists():
             raise RagspecError(f"index {retrieve} does not exist")
         records = read_records(data, fmt, limit)
@@ -231,6 +241,8 @@ def eval_answers(
             except RagspecError:
                 flag = "--" + key.replace("_", "-")
                 raise RagspecError(f"{flag} must be {words} or a cosine in [-1, 1], not '{value}'") from None
+        if source_tokens is not None:
+            d["prompt"]["source_tokens"] = budget
         pipe = Pipeline(load_spec(d), str(retrieve) if retrieve else None)
         with console.status("loading the model…"):
             if retrieve is not None:
@@ -240,6 +252,7 @@ def eval_answers(
                 "decline": None if pipe.spec.prompt.system else pipe.decline, "model": pipe.spec.generator.model,
                 "relevance_floor": pipe.relevance_gate.floor if pipe.relevance_gate else None,
                 "relevance_doubt": pipe.relevance_gate.doubt if pipe.relevance_gate else None,
+                "source_tokens": pipe.source_budget,
                 "drafting": pipe.spec.drafting.method, "max_new_tokens": pipe.spec.generator.max_new_tokens,
                 "sources": "retrieved from " + str(retrieve) if retrieve else "the record's own passages"}
         rows = []
@@ -260,6 +273,8 @@ def eval_answers(
             f"answer contains {f(r['answer_contains'])} · token F1 {f(r['token_f1'])} · refusal "
             f"{f(r['refusal_rate'])} · false refusal {f(r['false_refusal_rate'])} · citation coverage "
             f"{f(r['citation_coverage'])}\n"
+            f"prompt {f(r['mean_prompt_tokens'], '{:.0f}')} tokens ({f(r['mean_source_tokens'], '{:.0f}')} of "
+            f"sources; source budget {r['source_tokens'] or 'off'}) · "
             f"TTFT p50 {f(r['ttft_ms_p50'], '{:.0f}')} ms · decode {f(r['decode_tokens_per_s'], '{:.2f}')} tok/s · "
             f"speed-up {f(r['speedup'], '{:.2f}×')}", soft_wrap=True, highlight=False)
 

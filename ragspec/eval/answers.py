@@ -247,7 +247,7 @@ def score(rec: QARecord, answer) -> dict:
         "citation_coverage": None if declined else citation_coverage(answer.text, answer.citations),
         "citations": len(answer.citations),
         "new_tokens": s.new_tokens, "decode_ms": round(s.decode_ms, 1), "ttft_ms": round(s.ttft_ms, 1),
-        "prompt_tokens": s.prompt_tokens, "mean_accepted": round(s.mean_accepted, 3),
+        "prompt_tokens": s.prompt_tokens, "source_tokens": s.source_tokens, "mean_accepted": round(s.mean_accepted, 3),
         "speedup_estimate": None if s.speedup_estimate is None else round(s.speedup_estimate, 3),
         "finish_reason": s.finish_reason, "relevance": None if s.relevance is None else round(s.relevance, 4),
     }
@@ -287,5 +287,8 @@ def summarize(rows: list[dict], **meta) -> dict:
         "decode_tokens_per_s": round(tokens / decode_s, 3) if decode_s > 0 else None,
         "speedup": round(sum(r["speedup_estimate"] * r["decode_ms"] for r in timed) / t_ms, 3) if t_ms > 0 else None,
         "mean_new_tokens": round(tokens / len(rows), 2) if rows else None,
+        "mean_prompt_tokens": _mean([r["prompt_tokens"] for r in rows if r["prompt_tokens"]]),
+        "mean_source_tokens": _mean([r["source_tokens"] for r in rows if r["prompt_tokens"]]),
+        "mean_accepted": _mean([r["mean_accepted"] for r in rows if r["new_tokens"]]),
         "rows": rows,
     }

@@ -30,6 +30,8 @@ class AnswerStats:
     backend: str = ""  # what ran the model: transformers or llama.cpp (generator.backend auto: measured fastest)
     dtype: str = ""  # float32 / bfloat16 / float16 (transformers), gguf (llama.cpp: the file's own quantization)
     relevance: float | None = None  # the relevance gate's score of the sources (None: the gate did not apply)
+    source_budget: int | None = None  # prompt.source_tokens applied (None: sources sent whole)
+    source_tokens: int = 0  # prompt tokens of source text (what the source budget bounds)
 
     def as_json(self) -> dict:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -38,7 +40,7 @@ class AnswerStats:
 def source_json(s: SourceText) -> dict:
     return {"source": s.number, "path": s.path, "start": s.start, "end": s.end, "score": round(s.score, 6),
             "key": s.key, "title": s.title, "chunk_id": s.chunk_id, "document_id": s.document_id, "lines": list(s.lines) if s.lines else None,
-            "text": s.text,
+            "text": s.text, "pieces": [list(p) for p in s.pieces] or [[s.start, s.end]],
             "locations": [{"path": loc.path, "key": loc.key, "start": loc.start, "end": loc.end, "document_id": loc.document_id,
                            "kind": loc.kind} for loc in s.locations]}
 

@@ -70,7 +70,8 @@ def word_span(text: str, words: list[str]) -> tuple[int, int] | None:
 def quote_locations(src: SourceText, c0: int, c1: int) -> list[dict]:
     """The quote `src.text[c0:c1]` in every location of its source that holds it (the source's own first)."""
     quote = src.text[c0:c1]
-    out = [{"path": src.path, "key": src.key, "start": src.start + c0, "end": src.start + c1, "quote": quote,
+    out = [{"path": src.path, "key": src.key, "start": src.document_offset(c0), "end": src.document_offset(c1),
+            "quote": quote,
             "document_id": src.document_id}]
     words = WORD.findall(quote)
     for loc in src.locations[1:]:
@@ -102,12 +103,13 @@ class CopyMatcher:
         self.where: list[tuple[int, int, int]] = []  # (source number, char start, char end) per context word
         self.positions: dict[str, list[int]] = defaultdict(list)
         for s in sources:
-            for m in WORD.finditer(s.text):
-                self.positions[m.group()].append(len(self.words))
-                self.words.append(m.group())
-                self.where.append((s.number, m.start(), m.end()))
-            self.words.append(None)
-            self.where.append((0, 0, 0))
+            for t0, t1, _ in s.text_pieces():  # a cut source's pieces: no run crosses an elision mark
+                for m in WORD.finditer(s.text, t0, t1):
+                    self.positions[m.group()].append(len(self.words))
+                    self.words.append(m.group())
+                    self.where.append((s.number, m.start(), m.end()))
+                self.words.append(None)
+                self.where.append((0, 0, 0))
         self.hints: dict[int, list[int]] = defaultdict(list)  # source → sorted char offsets drafts came from
         self.text = ""
         self.scanned = 0  # answer characters already cut into words
@@ -292,7 +294,8 @@ class CopyMatcher:
         num, c0, _ = self.where[p]
         _, _, c1 = self.where[p + len(run) - 1]
         src = self.sources[num]
-        cit = Citation(num, src.path, src.start + c0, src.start + c1, src.text[c0:c1], run[0][0], run[-1][1], src.key,
+        cit = Citation(num, src.path, src.document_offset(c0), src.document_offset(c1), src.text[c0:c1], run[0][0],
+                       run[-1][1], src.key,
                        quote_locations(src, c0, c1))
         self.last_source = num
         self.citations.append(cit)

@@ -12,6 +12,7 @@ import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ragspec.decoding.drafters import check_params, make_drafter
@@ -32,6 +33,18 @@ from ragspec.pipeline.declined import is_declined
 from ragspec.pipeline.prompt import NO_DECLINE, BuiltPrompt, PromptBuilder, SourceText
 from ragspec.pipeline.relevance import is_task_on_sources
 from ragspec.spec import PipelineSpec, load_spec
+
+
+@dataclass
+class Prepared:
+    """An ask up to generation (`Pipeline.prepare`): the prompt, the sources it holds, the retrieval time, the
+    relevance gate's score (None where it did not apply) and whether the gate declined."""
+
+    built: BuiltPrompt
+    sources: list[SourceText]
+    retrieval_ms: float
+    relevance: float | None
+    declined: bool
 
 
 class Pipeline:
@@ -217,7 +230,7 @@ class Pipeline:
                max_new_tokens: int | None = None, stop: Iterable[str] | None = None,
                temperature: float | None = None, history: list[dict] | None = None,
                instructions: str | None = None, filter=None, cancel=None,
-               on_progress=None) -> Iterator[Event]:
+               on_progress=None, source_tokens: int | str | None = None) -> Iterator[Event]:
         """Events: SourcesEvent, then TextEvent and CitationEvent as they happen, then DoneEvent(answer).
 
         `documents` replaces retrieval with the given passages (strings or SourceText). `history`: earlier turns
@@ -225,8 +238,24 @@ class Pipeline:
         first user turn. `instructions` are appended to the system instruction. `filter`: a metadata filter for
         the retrieval (see `Retriever.search`). `cancel`: a threading.Event; once set, the answer stops between
         prefill chunks or decode steps with `Cancelled`. `on_progress(done, total)`: prompt tokens prefilled, after
-        each prefill chunk (a long prompt takes seconds)."""
+        each prefill chunk (a long prompt takes seconds). `source_tokens`: this call's source budget (a number,
+        "off" or "auto"; default `prompt.source_tokens`)."""
         t_start = time.perf_counter()
+        p = self.prepare(question, documents=documents, history=history, instructions=instructions, filter=filter,
+                         max_new_tokens=max_new_tokens, source_tokens=source_tokens)
+        max_new = self._max_new(max_new_tokens)
+        if p.declined:
+            yield from self._declined(question, p.sources, p.retrieval_ms, p.relevance, t_start)
+            return
+        yield from self._generate(p.built, question, p.retrieval_ms, max_new, stop, temperature, t_start, cancel,
+                                  on_progress, p.relevance)
+
+    def prepare(self, question: str, *, documents: Iterable[str | SourceText] | None = None,
+                history: list[dict] | None = None, instructions: str | None = None, filter=None,
+                max_new_tokens: int | None = None, source_tokens: int | str | None = None) -> Prepared:
+        """Everything before generation, as `stream` does it: the sources (retrieved or given), the relevance
+        gate's verdict, the sources cut to the source budget, and the prompt built. The arguments are
+        `stream`'s."""
         if not question or not question.strip():
             raise RagspecError("the question is empty")
         max_new = self._max_new(max_new_tokens)
@@ -243,21 +272,80 @@ class Pipeline:
         # the gate judges a conversation's first question; a follow-up keeps that turn's instruction, so its prompt
         # starts with the first turn's (the prefix cache reuses it)
         first = str(history[0].get("content", "")) if history and isinstance(history[0], dict) else question
-        gate = self.relevance_gate if sources and not is_task_on_sources(first) else None
+        on_sources = bool(sources) and not is_task_on_sources(first)
+        gate = self.relevance_gate if on_sources else None
+        budget = self.resolve_source_budget(source_tokens) if on_sources else None
+        measured = None
         if gate is not None and (not history or gate.doubt is not None):
-            relevance = gate.score(first, sources)
+            measured = gate.measure(first, sources)
+            relevance = measured.score
+        declined = not history and gate is not None and not gate.passes(relevance)
+        cut_dropped = 0
+        if budget is not None and not declined:  # cut by the first question: a follow-up keeps the first prompt
+            if measured is None:
+                measured = self._measure_windows(first, sources)
+            sources, cut_dropped = self._cut_sources(sources, measured.windows, budget)
         # past the gate a source is about the question: the model is asked to answer, not offered to decline,
         # unless the score is in the gate's unsure band
         decline = None if gate is None or (relevance is not None and gate.unsure(relevance)) else NO_DECLINE
         with self._gen_lock:  # built first: a prompt over the budget is an error, gated or not
             built = self.prompt_builder(max_new, decline).build(question, sources, history, instructions)
+        built.source_budget, built.dropped = budget, built.dropped + cut_dropped
         if history:
             relevance = None  # the gate judged the first turn, not this one
-        elif gate is not None and not gate.passes(relevance):
-            yield from self._declined(question, sources, retrieval_ms, relevance, t_start)
-            return
-        yield from self._generate(built, question, retrieval_ms, max_new, stop, temperature, t_start, cancel,
-                                  on_progress, relevance)
+        return Prepared(built, sources, retrieval_ms, relevance, declined)
+
+    @property
+    def source_budget(self) -> int | None:
+        """`prompt.source_tokens` resolved: a token count, or None when sources are sent whole."""
+        return self.resolve_source_budget()
+
+    def resolve_source_budget(self, value: int | str | None = None) -> int | None:
+        """A source budget (default `prompt.source_tokens`) as a token count, or None when sources are sent
+        whole. `auto` takes the budget measured for the generator (registry `source_tokens`), else none."""
+        from ragspec.settings import parse_source_tokens
+
+        value = parse_source_tokens(self.spec.prompt.source_tokens if value is None else value)
+        if value == "off":
+            return None
+        if value == "auto":
+            from ragspec.models.registry import generator_entry
+
+            entry = generator_entry(self.spec.generator.model)
+            value = entry.extra.get("source_tokens") if entry else None
+        return int(value) if value is not None else None
+
+    def _measure_windows(self, question: str, sources: list[SourceText]):
+        """Each source's window cosines with the question, when the relevance gate did not measure them."""
+        from ragspec.pipeline.relevance import measure
+
+        gate = self.relevance_gate
+        if gate is not None:
+            return gate.measure(question, sources, wholes=False)
+        if self._index_arg is not None:
+            embedder = self.retriever.embedder
+        else:
+            from ragspec.models.embedder import load_embedder
+            from ragspec.models.registry import DEFAULT_EMBEDDER
+
+            embedder = load_embedder(DEFAULT_EMBEDDER, "cpu", "float32")
+        return measure(embedder, question, sources, wholes=False, lock=self._load_lock)
+
+    def _cut_sources(self, sources: list[SourceText], window_scores, budget: int) -> tuple[list[SourceText], int]:
+        """The sources cut to the source budget (retrieve.trim), renumbered in rank order, and how many it
+        dropped."""
+        from ragspec.retrieve.trim import SourceUnits, cut_sources
+
+        tok = self.tokenizer
+
+        def count(texts: list[str]) -> list[int]:
+            return [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+
+        spans = cut_sources([SourceUnits.of(s.text) for s in sources], window_scores, budget, count,
+                            self.spec.prompt.source_floor)
+        kept = [s.cut(sp) for s, sp in zip(sources, spans) if sp]
+        kept = [k if k.number == i else replace(k, number=i) for i, k in enumerate(kept, 1)]
+        return kept, len(sources) - len(kept)
 
     def _declined(self, question: str, sources: list[SourceText], retrieval_ms: float, relevance: float,
                   t_start: float) -> Iterator[Event]:
@@ -383,7 +471,8 @@ class Pipeline:
             speedup_estimate=(s.new_tokens * self._cost.time(1) / s.decode_ms) if self._cost and s.decode_ms else None,
             dropped_sources=built.dropped, ttft_ms=ttft_ms, prefix_reused_tokens=reused,
             backend=self.choice.backend if self.choice else "", dtype=self.choice.dtype if self.choice else "",
-            relevance=relevance,
+            relevance=relevance, source_budget=built.source_budget,
+            source_tokens=sum(1 for n in built.token_source if n),
         )
         text = "".join(parts)
         answer = Answer(question, text, list(matcher.citations) if matcher else [], built.sources, stats,

@@ -8,11 +8,12 @@ text. Sources that do not fit the budget are dropped from the lowest-ranked up, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ragspec.decoding.drafters.base import Segment
 from ragspec.errors import RagspecError
 from ragspec.pipeline.declined import DECLINED
+from ragspec.retrieve.trim import ELISION
 
 # How the instruction to decline is phrased. The wording that works depends on the model (measured on held-out
 # NQ-open and CLAP NQ records, docs/evaluation.md "Declining"):
@@ -76,10 +77,40 @@ class SourceText:
     # every place this text is found, this one first (retrieve.sources.Location: copies in other documents,
     # chunks mostly contained in it); a citation names each one whose text holds the quote
     locations: list = field(default_factory=list)
+    # a source cut by the source budget (retrieve.trim): the document spans sent, in order; `text` is their
+    # slices joined by ELISION. [] = the whole span [start, end) was sent
+    pieces: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.end:
             self.end = self.start + len(self.text)
+
+    def text_pieces(self) -> list[tuple[int, int, int]]:
+        """(start, end) in `text` of each piece sent, and the document offset where it starts."""
+        if not self.pieces:
+            return [(0, len(self.text), self.start)]
+        out, pos = [], 0
+        for a, b in self.pieces:
+            out.append((pos, pos + b - a, a))
+            pos += b - a + len(ELISION)
+        return out
+
+    def document_offset(self, c: int) -> int:
+        """The document offset of character `c` of `text` (a piece's end maps to that piece's end)."""
+        for t0, t1, doc in self.text_pieces():
+            if t0 <= c <= t1:
+                return doc + c - t0
+        raise ValueError(f"offset {c} of source {self.number} lies in an elision mark")
+
+    def cut(self, spans: list[tuple[int, int]]) -> SourceText:
+        """This source with only `spans` of its text sent (offsets into `text`, in order, from the whole text)."""
+        if self.pieces:
+            raise ValueError("a source is cut once, from its whole text")
+        if spans == [(0, len(self.text))]:
+            return self
+        text = ELISION.join(self.text[a:b] for a, b in spans)
+        pieces = [(self.start + a, self.start + b) for a, b in spans]
+        return replace(self, text=text, start=pieces[0][0], end=pieces[-1][1], pieces=pieces)
 
 
 @dataclass
@@ -91,6 +122,7 @@ class BuiltPrompt:
     token_char: list[int]  # per prompt token: offset of its first character in that source's text, else -1
     dropped: int = 0
     warnings: list[str] = field(default_factory=list)
+    source_budget: int | None = None  # the source budget the sources were cut to (None: sent whole)
 
     def locate(self, position: int) -> tuple[int, int] | None:
         """(source number, character offset in that source's text) of a prompt token, None if no source."""

@@ -28,24 +28,21 @@ it (the registry entry's `relevance_floor`), and an embedder with none leaves th
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ragspec.retrieve.trim import best_of_titled, window_texts
 from ragspec.settings import parse_floor
-
-_SENTENCE_END = re.compile(r"(?<=[.!?;])\s+|\n+")
 
 
 def windows(s) -> list[str]:
     """What the gate embeds for a source: each run of two consecutive sentences, alone and with the source's
     title in front (a title names what a passage is about; a file's first line taken as its title may not)."""
-    title = (getattr(s, "title", "") or "").strip()
-    parts = [p.strip() for p in _SENTENCE_END.split(s.text) if p.strip()]
-    runs = [" ".join(parts[i:i + 2]) for i in range(max(len(parts) - 1, 1))] if parts else []
-    return runs + ([f"{title}. {r}" for r in runs] if title else [])
+    return window_texts(s.text, getattr(s, "title", "") or "")
 
 
 # A request whose first word is one of these asks for something done to the sources, not found in them.
@@ -83,6 +80,38 @@ def calibrated_floor(embedder_name: str) -> float | None:
 
 
 @dataclass
+class Measured:
+    """The question against the sources: the gate's score (None when wholes were not embedded) and, per source,
+    each window's cosine (the best of the window alone and after the title)."""
+
+    score: float | None
+    windows: list[np.ndarray]
+
+
+def measure(embedder, question: str, sources, wholes: bool = True, lock: threading.Lock | None = None) -> Measured:
+    """Embed the question, every window of every source and (with `wholes`) every whole source, each distinct
+    text once, in one call."""
+    per = [windows(s) for s in sources]
+    wins = [w for ws in per for w in ws]
+    whole = [_whole(s) for s in sources if s.text.strip()] if wholes else []
+    if not wins:
+        return Measured(-1.0 if wholes else None, [np.zeros(0, dtype=np.float32) for _ in sources])
+    texts = [question, *wins, *whole]
+    unique = list(dict.fromkeys(texts))  # a source of one or two sentences is its own only window
+    with lock or contextlib.nullcontext():
+        vecs = np.asarray(embedder.encode(unique), dtype=np.float32)
+    row = {t: i for i, t in enumerate(unique)}
+    sims = vecs[[row[t] for t in texts[1:]]] @ vecs[0]
+    score = float((sims[:len(wins)].max() + sims[len(wins):].max()) / 2) if wholes else None
+    out, k = [], 0
+    for s, ws in zip(sources, per):
+        n = len(window_texts(s.text))  # windows alone; the rest are the same after the title
+        out.append(best_of_titled(sims[k:k + len(ws)], n))
+        k += len(ws)
+    return Measured(score, out)
+
+
+@dataclass
 class RelevanceGate:
     embedder: object  # ragspec.models.embedder.Embedder
     floor: float
@@ -92,17 +121,12 @@ class RelevanceGate:
     def score(self, question: str, sources) -> float:
         """The mean of the best cosine between the question and a window of a source and the best between the
         question and a whole source (-1 with no text). Each distinct text is embedded once."""
-        wins = [w for s in sources for w in windows(s)]
-        wholes = [_whole(s) for s in sources if s.text.strip()]
-        if not wins:
-            return -1.0
-        texts = [question] + wins + wholes
-        unique = list(dict.fromkeys(texts))  # a source of one or two sentences is its own only window
-        with self.lock:
-            vecs = np.asarray(self.embedder.encode(unique), dtype=np.float32)
-        row = {t: i for i, t in enumerate(unique)}
-        sims = vecs[[row[t] for t in texts[1:]]] @ vecs[0]
-        return float((sims[:len(wins)].max() + sims[len(wins):].max()) / 2)
+        return self.measure(question, sources).score
+
+    def measure(self, question: str, sources, wholes: bool = True) -> Measured:
+        """The score, and each source's window cosines (what the source budget cuts by), from one embedding
+        call. `wholes=False`: windows only (no score), when only the budget needs them."""
+        return measure(self.embedder, question, sources, wholes, self.lock)
 
     def passes(self, score: float) -> bool:
         return score >= self.floor
