@@ -287,8 +287,8 @@ def summarize(rows: list[dict], **meta) -> dict:
         "decode_tokens_per_s": round(tokens / decode_s, 3) if decode_s > 0 else None,
         "speedup": round(sum(r["speedup_estimate"] * r["decode_ms"] for r in timed) / t_ms, 3) if t_ms > 0 else None,
         "mean_new_tokens": round(tokens / len(rows), 2) if rows else None,
-        "mean_prompt_tokens": _mean([r["prompt_tokens"] for r in rows if r["prompt_tokens"]]),
-        "mean_source_tokens": _mean([r["source_tokens"] for r in rows if r["prompt_tokens"]]),
-        "mean_accepted": _mean([r["mean_accepted"] for r in rows if r["new_tokens"]]),
+        "mean_prompt_tokens": _mean([r.get("prompt_tokens") or None for r in rows]),  # declined: no prompt
+        "mean_source_tokens": _mean([r.get("source_tokens") for r in rows if r.get("prompt_tokens")]),
+        "mean_accepted": _mean([r.get("mean_accepted") for r in rows if r["new_tokens"]]),
         "rows": rows,
     }
