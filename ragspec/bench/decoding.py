@@ -271,6 +271,7 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
     head = {"model": model_name, "category": category, "max_new_tokens": max_new_tokens,
             "budget": budget if isinstance(budget, int) else "auto", "cost_model": cost.as_dict() if cost else None,
             "machine": bench_machine(), "device": str(getattr(model, "device", "cpu")),
+            "source_budget": None,  # Spec-Bench prompts are sent whole (no prompt.source_tokens); see per_prompt
             "backend": "llama.cpp" if is_llama(model) else "transformers"}
 
     def summary(done: int) -> dict:
@@ -281,7 +282,7 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
         prompt = chat_ids(tokenizer, row["turns"][0])
         pre = prefill_ms(model, prompt)
         ref = None
-        times = {"prompt": row.get("question_id", n), "prefill_ms": round(pre, 1)}
+        times = {"prompt": row.get("question_id", n), "prompt_tokens": len(prompt), "prefill_ms": round(pre, 1)}
         for m in methods:
             if m == CEILING:
                 drafters[m].reference = list(ref)
