@@ -8,6 +8,7 @@ parts: MiniLM, SmolLM2's tokenizer and model, a built index."""
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -65,7 +66,7 @@ def test_every_kept_piece_is_an_exact_slice_of_its_document(doc, prefix, data):
     budget = data.draw(st.integers(1, 120))
     spans = cut_sources([units], scores, budget, lambda ts: [len(t.split()) for t in ts])[0]
     assert spans, "the best source always sends something"
-    assert all(a < b for a, b in spans) and all(b1 < a2 for (_, b1), (a2, _) in zip(spans, spans[1:]))
+    assert all(a < b for a, b in spans) and all(b1 < a2 for (_, b1), (a2, _) in itertools.pairwise(spans))
     for a, b in block_spans(src.text):  # a code block or table: whole or not at all
         inside = [(x, y) for x, y in spans if x < b and a < y]
         assert not inside or any(x <= a and b <= y for x, y in inside), (src.text[a:b], spans)
