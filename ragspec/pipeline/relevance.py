@@ -105,7 +105,7 @@ def measure(embedder, question: str, sources, wholes: bool = True, lock: threadi
     score = float((sims[:len(wins)].max() + sims[len(wins):].max()) / 2) if wholes else None
     out, k = [], 0
     for s, ws in zip(sources, per):
-        n = len(window_texts(s.text))  # windows alone; the rest are the same after the title
+        n = len(ws) // 2 if (getattr(s, "title", "") or "").strip() else len(ws)  # then the same after the title
         out.append(best_of_titled(sims[k:k + len(ws)], n))
         k += len(ws)
     return Measured(score, out)
