@@ -186,6 +186,15 @@ class GeneratorSettings(Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="sampling: nucleus mass")
     seed: int | None = Field(None, description="sampling seed (None: random)")
     stop: list[str] = Field(default_factory=list, description="stop strings (never part of the answer)")
+    source_cache: Literal["off", "on", "auto"] = Field(
+        "auto", description="reuse each source piece's KV across asks, re-positioned (docs/decoding.md, \"The source "
+        "cache\"); transformers only (llama.cpp: full prefill). auto: on where measured to hold answer quality for the "
+        "generator (registry), else off")
+    source_cache_recompute: int = Field(
+        4, ge=0, description="source cache: the first tokens of each piece computed in full over what precedes it (EPIC)")
+    source_cache_memory_mb: int = Field(512, ge=0, description="source cache: memory bound (least recently used go)")
+    source_cache_disk_mb: int = Field(
+        2048, ge=0, description="source cache: disk bound under $RAGSPEC_HOME/kv (0: memory only)")
 
 
 class DraftingSettings(Strict):

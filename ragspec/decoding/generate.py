@@ -78,8 +78,9 @@ class SpeculativeGenerator:
         return "".join(d.text for d in self.stream(prompt_ids, segments))
 
     def stream(self, prompt_ids: list[int], segments: list[Segment] | None = None, prefix=None, cancel=None,
-               on_progress=None) -> Iterator[Delta]:
+               on_progress=None, sources=None) -> Iterator[Delta]:
         """`prefix`: a `prefix_cache.PrefixStore` to prefill from and to leave this generation's cache in.
+        `sources`: a `source_cache.SourcePlan`: assemble the prompt's cache from cached source pieces.
         `cancel`: a threading.Event; once set, the generation raises `Cancelled` between prefill chunks or
         decode steps. `on_progress(done, total)`: called after each prefill chunk."""
         stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
@@ -90,16 +91,19 @@ class SpeculativeGenerator:
                                 predictions=bool(getattr(self.drafter, "wants_predictions", False)))
         if not getattr(verifier, "supports_prefix", True):
             prefix = None  # a prefix store holds transformers caches
+        if sources is not None and getattr(verifier, "source_cache_unsupported", ""):
+            sources.fallback, sources = verifier.source_cache_unsupported, None
         try:
-            yield from self._loop(verifier, prompt_ids, segments, stats, heads, prefix, cancel, on_progress)
+            yield from self._loop(verifier, prompt_ids, segments, stats, heads, prefix, cancel, on_progress, sources)
             if prefix is not None:
                 prefix.save(list(prompt_ids) + self.tokens, verifier.cache, verifier.cached)
         finally:
             verifier.close()
 
     def _loop(self, verifier, prompt_ids, segments, stats, heads, prefix=None, cancel=None,
-              on_progress=None) -> Iterator[Delta]:
-        stats.prefill_ms = verifier.prefill(list(prompt_ids), prefix, on_progress=on_progress, cancel=cancel)
+              on_progress=None, sources=None) -> Iterator[Delta]:
+        kw = {"sources": sources} if sources is not None else {}
+        stats.prefill_ms = verifier.prefill(list(prompt_ids), prefix, on_progress=on_progress, cancel=cancel, **kw)
         state = DraftState(tokens=list(prompt_ids), prompt_len=len(prompt_ids), segments=segments or [])
         t0 = time.perf_counter()
         self.drafter.prepare(state)

@@ -32,6 +32,10 @@ class AnswerStats:
     relevance: float | None = None  # the relevance gate's score of the sources (None: the gate did not apply)
     source_budget: int | None = None  # prompt.source_tokens applied (None: sources sent whole)
     source_tokens: int = 0  # prompt tokens of source text (what the source budget bounds)
+    cache_reused_tokens: int = 0  # source cache: prompt tokens whose KV came from the store, re-positioned
+    cache_stored_tokens: int = 0  # source cache: prompt tokens this ask computed into the store, then placed
+    cache_computed_tokens: int = 0  # source cache: prompt tokens computed in place, in full (0: cache off)
+    cache_note: str = ""  # source cache: why it did not apply to this ask ("" when it did or was off)
 
     def as_json(self) -> dict:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}

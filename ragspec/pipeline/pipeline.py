@@ -66,6 +66,7 @@ class Pipeline:
         self._memory = None  # earlier answers the suffix drafter may copy (drafting.memory)
         self._gate = False  # the relevance gate (prompt.relevance_floor), resolved on first use; None: off
         self.prefix_cache = None  # a decoding.prefix_cache.PrefixStore: follow-ups reuse the KV of shared prefixes
+        self._source_store = None  # decoding.source_cache.SourceKVStore (generator.source_cache), made on first use
         self.choice = None  # models.machine.Choice: the backend and dtype `load` took, and why
         self._load_lock = threading.RLock()
 
@@ -230,7 +231,8 @@ class Pipeline:
                max_new_tokens: int | None = None, stop: Iterable[str] | None = None,
                temperature: float | None = None, history: list[dict] | None = None,
                instructions: str | None = None, filter=None, cancel=None,
-               on_progress=None, source_tokens: int | str | None = None) -> Iterator[Event]:
+               on_progress=None, source_tokens: int | str | None = None,
+               source_cache: str | None = None) -> Iterator[Event]:
         """Events: SourcesEvent, then TextEvent and CitationEvent as they happen, then DoneEvent(answer).
 
         `documents` replaces retrieval with the given passages (strings or SourceText). `history`: earlier turns
@@ -239,7 +241,8 @@ class Pipeline:
         the retrieval (see `Retriever.search`). `cancel`: a threading.Event; once set, the answer stops between
         prefill chunks or decode steps with `Cancelled`. `on_progress(done, total)`: prompt tokens prefilled, after
         each prefill chunk (a long prompt takes seconds). `source_tokens`: this call's source budget (a number,
-        "off" or "auto"; default `prompt.source_tokens`)."""
+        "off" or "auto"; default `prompt.source_tokens`). `source_cache`: "on", "off" or "auto" for this call
+        (default `generator.source_cache`)."""
         t_start = time.perf_counter()
         p = self.prepare(question, documents=documents, history=history, instructions=instructions, filter=filter,
                          max_new_tokens=max_new_tokens, source_tokens=source_tokens)
@@ -248,7 +251,7 @@ class Pipeline:
             yield from self._declined(question, p.sources, p.retrieval_ms, p.relevance, t_start)
             return
         yield from self._generate(p.built, question, p.retrieval_ms, max_new, stop, temperature, t_start, cancel,
-                                  on_progress, p.relevance)
+                                  on_progress, p.relevance, self.source_plan(p.built, source_cache))
 
     def prepare(self, question: str, *, documents: Iterable[str | SourceText] | None = None,
                 history: list[dict] | None = None, instructions: str | None = None, filter=None,
@@ -294,6 +297,43 @@ class Pipeline:
         if history:
             relevance = None  # the gate judged the first turn, not this one
         return Prepared(built, sources, retrieval_ms, relevance, declined)
+
+    def source_cache_on(self, value: str | None = None) -> bool:
+        """`generator.source_cache` (or `value`) resolved: auto is on where the generator's registry entry says
+        the cache was measured to hold answer quality (`source_cache`), else off."""
+        value = self.spec.generator.source_cache if value is None else value
+        if value not in ("on", "off", "auto"):
+            raise RagspecError(f"source_cache must be on, off or auto, not {value!r}")
+        if value == "auto":
+            from ragspec.models.registry import generator_entry
+
+            entry = generator_entry(self.spec.generator.model)
+            return bool(entry.extra.get("source_cache")) if entry else False
+        return value == "on"
+
+    @property
+    def source_store(self):
+        """The pipeline's source cache (one per pipeline: the server shares it across requests)."""
+        with self._load_lock:
+            if self._source_store is None:
+                from ragspec.decoding.source_cache import SourceKVStore
+                from ragspec.paths import ragspec_home
+
+                g = self.spec.generator
+                self._source_store = SourceKVStore(
+                    memory_bytes=g.source_cache_memory_mb << 20,
+                    directory=ragspec_home() / "kv" if g.source_cache_disk_mb > 0 else None,
+                    disk_bytes=g.source_cache_disk_mb << 20)
+            return self._source_store
+
+    def source_plan(self, built: BuiltPrompt, value: str | None = None):
+        """How `built` is assembled from the source cache, or None (cache off, or a prompt without sources)."""
+        if not self.source_cache_on(value) or built.head <= 0 or not built.pieces:
+            return None
+        from ragspec.decoding.source_cache import SourcePlan
+
+        return SourcePlan(self.source_store, built.head, list(built.pieces),
+                          self.spec.generator.source_cache_recompute)
 
     @property
     def source_budget(self) -> int | None:
@@ -403,7 +443,7 @@ class Pipeline:
 
     def _generate(self, built: BuiltPrompt, question: str, retrieval_ms: float, max_new: int, stop,
                   temperature: float | None, t_start: float | None = None, cancel=None,
-                  on_progress=None, relevance: float | None = None) -> Iterator[Event]:
+                  on_progress=None, relevance: float | None = None, plan=None) -> Iterator[Event]:
         from ragspec.decoding.budget import AdaptiveBudget
         from ragspec.decoding.generate import SpeculativeGenerator
 
@@ -440,7 +480,8 @@ class Pipeline:
             store = self.prefix_cache
             if store is not None:
                 store.last_reused = 0
-            for delta in gen.stream(built.ids, built.segments, prefix=store, cancel=cancel, on_progress=on_progress):
+            for delta in gen.stream(built.ids, built.segments, prefix=store, cancel=cancel, on_progress=on_progress,
+                                    sources=plan):
                 if not parts and store is not None:  # the first delta comes right after the prefill
                     reused = store.last_reused
                 if not ttft_ms and delta.text:
@@ -473,6 +514,9 @@ class Pipeline:
             backend=self.choice.backend if self.choice else "", dtype=self.choice.dtype if self.choice else "",
             relevance=relevance, source_budget=built.source_budget,
             source_tokens=sum(1 for n in built.token_source if n),
+            cache_reused_tokens=plan.reused if plan else 0, cache_stored_tokens=plan.stored if plan else 0,
+            cache_computed_tokens=plan.computed if plan else 0,
+            cache_note=plan.fallback if plan else "",
         )
         text = "".join(parts)
         answer = Answer(question, text, list(matcher.citations) if matcher else [], built.sources, stats,

@@ -123,6 +123,10 @@ class BuiltPrompt:
     dropped: int = 0
     warnings: list[str] = field(default_factory=list)
     source_budget: int | None = None  # the source budget the sources were cut to (None: sent whole)
+    # for the source cache (decoding/source_cache.py): tokens [0, head) are the fixed head (the system
+    # instruction and template up to the sources), `pieces` the token ranges of each piece of source text sent
+    head: int = 0
+    pieces: list[tuple[int, int]] = field(default_factory=list)
 
     def locate(self, position: int) -> tuple[int, int] | None:
         """(source number, character offset in that source's text) of a prompt token, None if no source."""
@@ -225,6 +229,8 @@ class PromptBuilder:
             cursor = at + len(s.text)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
+        head, pieces = _cache_units(enc["offset_mapping"], sources, where,
+                                    base + len("Sources:\n") if sources and base >= 0 else 0)
         token_source = [0] * len(ids)
         token_char = [-1] * len(ids)
         segments: list[Segment] = []
@@ -239,4 +245,22 @@ class PromptBuilder:
                     segments[-1].end = i + 1
                 else:
                     segments.append(Segment(i, i + 1, where[j][2]))
-        return BuiltPrompt(ids, list(sources), segments, token_source, token_char)
+        return BuiltPrompt(ids, list(sources), segments, token_source, token_char, head=head, pieces=pieces)
+
+
+def _cache_units(offsets, sources: list[SourceText], where, head_end: int) -> tuple[int, list[tuple[int, int]]]:
+    """(head tokens, token ranges of each piece of source text): the head is every token that ends by
+    `head_end` (the character where the sources begin); a piece is every token that starts inside it."""
+    import bisect
+
+    starts = [a for a, _ in offsets]
+    head = 0
+    while head < len(offsets) and offsets[head][1] <= head_end:
+        head += 1
+    pieces = []
+    for s, (at, _, _) in zip(sources, where):
+        for t0, t1, _ in s.text_pieces():
+            i, j = bisect.bisect_left(starts, at + t0), bisect.bisect_left(starts, at + t1)
+            if j > i and i >= head:
+                pieces.append((i, j))
+    return head, pieces

@@ -233,6 +233,8 @@ class LlamaCppBackend:
         self.cached = 0
         self.root = 0
         self._root_logits = None  # set by prefill: the root is cached and these are its logits
+        # llama.cpp has what it needs (llama_state_seq_get/set_data, llama_memory_seq_add): not built here yet
+        self.source_cache_unsupported = "the llama.cpp backend does not assemble cached sources yet: full prefill"
 
     def prefill(self, prompt_ids: list[int], prefix=None, on_progress=None, cancel=None) -> float:
         if not prompt_ids:

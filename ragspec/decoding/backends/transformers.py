@@ -47,10 +47,12 @@ class TransformersBackend:
 
     # -- prefill -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int], prefix=None, on_progress=None, cancel=None) -> float:
+    def prefill(self, prompt_ids: list[int], prefix=None, on_progress=None, cancel=None, sources=None) -> float:
         """Cache the prompt in `PREFILL_CHUNK` chunks (see base.py); its last token is the first step's root.
         Returns ms. `prefix`: a `prefix_cache.PrefixStore`; the longest cached prefix of the prompt is reused,
-        not recomputed.
+        not recomputed. `sources`: a `source_cache.SourcePlan`; the prompt is assembled from cached source
+        pieces (backends/source_kv.py) unless a prefix reuse covers them all or the model cannot (the plan's
+        `fallback` then says why).
 
         The root is cached with the rest and its logits kept (as HF `generate` reads a prompt), so the first
         step runs only its tree, or no forward at all for a plain step: one t(1) less per generation. A PLD+
@@ -77,6 +79,19 @@ class TransformersBackend:
             # at least the root is computed here: its logits are the first step's
             cache, self.cached = prefix.lookup(prompt_ids, len(prompt_ids) - 1)
             self.cache = cache if cache is not None else self.cache
+        if sources is not None:
+            covered = max([sources.head] + [b for _, b in sources.pieces])
+            why = "" if whole else "PLD+ drafters read every prompt position's hidden state or attention row"
+            if not why:
+                from ragspec.decoding.backends.source_kv import assemble, unsupported
+
+                why = unsupported(self.model)
+            if why:
+                sources.fallback = why
+            elif self.cached < covered:  # a prefix reuse that covers every piece is exact: it wins
+                self.cache, self._root_logits = assemble(self.model, prompt_ids, sources, cancel, on_progress)
+                self.cached = len(prompt_ids)
+                return (time.perf_counter() - t) * 1000
         total = split - self.cached
         for a, b in chunks(self.cached, split):
             check_cancel(cancel)

@@ -1,0 +1,231 @@
+"""The transformers side of the source cache (decoding/source_cache.py): a model's fingerprint, a piece's KV
+computed behind the head, keys re-rotated to another position, and a prompt's cache assembled from the store.
+
+Re-rotation is exact in arithmetic: RoPE turns a key at position p by R(p), and R(p + d) = R(d) R(p), so a
+key cached at p is moved to p + d by turning it by d (in float32; the tests hold it to 1e-4 of keys computed at
+p + d). What is *not* exact is the context: a cached piece saw only the head before it, not the sources ranked
+above it. The first `recompute` tokens of every piece, and everything between pieces, are computed in full over
+what is assembled before them, which is EPIC's fix for the attention sink each piece start forms.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+from ragspec.decoding.backends.base import check_cancel, chunks
+from ragspec.decoding.backends.transformers import sliding_window
+from ragspec.decoding.source_cache import SourcePlan, entry_key
+
+
+def rotary(model):
+    """The model's rotary embedding module (Llama-style models keep it at model.model.rotary_emb)."""
+    inner = getattr(model, "model", None)
+    return getattr(inner, "rotary_emb", None) or getattr(model, "rotary_emb", None)
+
+
+def unsupported(model) -> str:
+    """Why this model's cached keys cannot be moved to another position ("" when they can)."""
+    cfg = model.config
+    if sliding_window(cfg):
+        return "its sliding-window layers keep keys by position"
+    rope = rotary(model)
+    if rope is None or not hasattr(rope, "inv_freq"):
+        return "it has no rotary position embedding ragspec can re-rotate (model.model.rotary_emb)"
+    kind = getattr(rope, "rope_type", "default")
+    if kind in ("dynamic", "longrope"):
+        return f"its {kind} RoPE changes its frequencies with the sequence length"
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if rope.inv_freq.numel() * 2 != head_dim:
+        return "its rotary embedding covers only part of each head"
+    return ""
+
+
+def model_key(model) -> str:
+    """Names what a KV depends on: architecture, weights (a fingerprint of a few tensors), dtype, device kind and
+    kernels. Kept on the model after the first call."""
+    cached = getattr(model, "_ragspec_kv_key", None)
+    if cached:
+        return cached
+    cfg = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else str(model.config)
+    h = hashlib.sha256(cfg.encode())
+    params = [p for p in model.parameters() if p.layout == torch.strided]  # packed kernels hold opaque weights
+    for p in (params[0], params[len(params) // 2], params[-1]):  # embeddings, a middle layer, the last norm/head
+        flat = p.detach().reshape(-1)
+        h.update(flat[:4096].float().cpu().numpy().tobytes())
+        h.update(str(tuple(p.shape)).encode())
+    dev = next(model.parameters()).device.type
+    dtype = str(next(model.parameters()).dtype).split(".")[-1]
+    kernels = {"packed": bool(getattr(model, "ragspec_packed_linears", 0)), "int8": getattr(model, "ragspec_int8", ""),
+               "attn": getattr(model.config, "_attn_implementation", None)}
+    key = f"transformers|{h.hexdigest()[:24]}|{dev}|{dtype}|{json.dumps(kernels, sort_keys=True)}"
+    try:
+        model._ragspec_kv_key = key
+    except AttributeError:
+        pass
+    return key
+
+
+def rotate(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Keys [..., n, head_dim] turned by `delta` positions (rotate-half RoPE, as Llama, Qwen2 and Mistral)."""
+    if delta == 0:
+        return keys
+    freqs = (float(delta) * inv_freq.double()).to(keys.device)
+    emb = torch.cat([freqs, freqs])
+    cos, sin = emb.cos(), emb.sin()
+    k = keys.double()
+    half = k.shape[-1] // 2
+    turned = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
+    return (k * cos + turned * sin).to(keys.dtype)
+
+
+# -- entries: one tensor [layers, 2 (keys, values), kv heads, tokens, head_dim] --------------------------------
+def stack(cache, start: int, end: int) -> torch.Tensor:
+    """Positions [start, end) of every layer of a DynamicCache, as one entry tensor."""
+    return torch.stack([torch.stack([layer.keys[0, :, start:end], layer.values[0, :, start:end]])
+                        for layer in cache.layers]).contiguous()
+
+
+def nbytes(entry: torch.Tensor) -> int:
+    return entry.numel() * entry.element_size()
+
+
+def dump(entry: torch.Tensor) -> bytes:
+    head = json.dumps({"shape": list(entry.shape), "dtype": str(entry.dtype).split(".")[-1]}).encode()
+    raw = entry.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return len(head).to_bytes(4, "little") + head + raw
+
+
+def loader(device):
+    def load(payload: bytes) -> torch.Tensor:
+        n = int.from_bytes(payload[:4], "little")
+        meta = json.loads(payload[4 : 4 + n])
+        dtype = getattr(torch, meta["dtype"])
+        raw = torch.frombuffer(bytearray(payload[4 + n :]), dtype=torch.uint8)
+        entry = raw.view(dtype).reshape(meta["shape"])
+        return entry.to(device)
+
+    return load
+
+
+def append(cache, entry: torch.Tensor) -> None:
+    """Append an entry's keys and values to every layer of a DynamicCache."""
+    for i, layer in enumerate(cache.layers):
+        layer.update(entry[i, 0][None], entry[i, 1][None])
+
+
+# -- computing and assembling --------------------------------------------------------------------------------
+def _forward(model, cache, ids: list[int], start: int, cancel=None, on_chunk=None):
+    """Run ids at positions [start, start + len(ids)) over `cache` in PREFILL_CHUNK pieces; the last logits."""
+    dev = next(model.parameters()).device
+    out = None
+    for a, b in chunks(start, start + len(ids)):
+        check_cancel(cancel)
+        out = model(input_ids=torch.tensor([ids[a - start : b - start]], device=dev),
+                    position_ids=torch.arange(a, b, device=dev)[None],
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if on_chunk is not None:
+            on_chunk(b - a)
+    return None if out is None else out.logits[0, -1]
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def head_entry(model, store, head: list[int], cancel=None) -> tuple[torch.Tensor, bool]:
+    """(the head's KV, computed from position 0 so exact; found in the store)."""
+    mkey = model_key(model)
+    dev = next(model.parameters()).device
+    key = entry_key(mkey, head, [])
+    entry = store.get(key, loader(dev))
+    if entry is not None:
+        return entry, True
+    cache = _new_cache(model)
+    _forward(model, cache, head, 0, cancel)
+    entry = stack(cache, 0, len(head))
+    store.put(key, entry, nbytes(entry), dump)
+    return entry, False
+
+
+def piece_entry(model, store, head: list[int], piece: list[int], head_kv=None, cancel=None) -> tuple[torch.Tensor, bool]:
+    """(the piece's KV computed right behind the head, found in the store)."""
+    mkey = model_key(model)
+    dev = next(model.parameters()).device
+    key = entry_key(mkey, head, piece)
+    entry = store.get(key, loader(dev))
+    if entry is not None:
+        return entry, True
+    head_kv = head_entry(model, store, head, cancel)[0] if head_kv is None else head_kv
+    cache = _new_cache(model)
+    append(cache, head_kv)
+    _forward(model, cache, piece, len(head), cancel)
+    entry = stack(cache, len(head), len(head) + len(piece))
+    store.put(key, entry, nbytes(entry), dump)
+    return entry, False
+
+
+@torch.inference_mode()
+def assemble(model, prompt_ids: list[int], plan: SourcePlan, cancel=None, on_progress=None):
+    """(a DynamicCache of the whole prompt, the last token's logits): the head and pieces from the store (computed
+    into it where missing), re-positioned; gaps and each piece's first `plan.recompute` tokens computed in full."""
+    inv_freq = rotary(model).inv_freq
+    n = len(prompt_ids)
+    head = list(prompt_ids[: plan.head])
+    store = plan.store
+    head_kv, found = head_entry(model, store, head, cancel)
+    plan.hits += found
+    plan.misses += not found
+    cache = _new_cache(model)
+    append(cache, head_kv)
+    if found:
+        plan.reused += len(head)
+    else:
+        plan.stored += len(head)
+    done = [len(head)]
+
+    def progress(k: int) -> None:
+        done[0] += k
+        if on_progress is not None:
+            on_progress(done[0], n)
+
+    cursor = len(head)
+    for a, b in plan.pieces:
+        b = min(b, n - 1)  # the last token is always computed: its logits start the answer
+        k = max(0, plan.recompute)
+        if a < cursor or b - a <= k:
+            continue  # overlapping or too short to reuse: computed with the gap that follows
+        piece = list(prompt_ids[a:b])
+        entry, hit = piece_entry(model, store, head, piece, head_kv, cancel)
+        plan.hits += hit
+        plan.misses += not hit
+        _forward(model, cache, list(prompt_ids[cursor : a + k]), cursor, cancel, progress)
+        plan.computed += a + k - cursor
+        kv = entry[:, :, :, k:]
+        keys = rotate(kv[:, 0], a - len(head), inv_freq)
+        append(cache, torch.stack([keys, kv[:, 1]], dim=1))
+        if hit:
+            plan.reused += b - a - k
+        else:
+            plan.stored += b - a - k
+        progress(b - a - k)
+        cursor = b
+    logits = _forward(model, cache, list(prompt_ids[cursor:]), cursor, cancel, progress)
+    plan.computed += n - cursor
+    return cache, logits
+
+
+def fill(model, store, head: list[int], pieces: list[list[int]], cancel=None) -> int:
+    """Compute the pieces missing from the store (ahead of asks); returns how many were computed."""
+    head_kv, _ = head_entry(model, store, head, cancel)
+    made = 0
+    with torch.inference_mode():
+        for piece in pieces:
+            if piece and entry_key(model_key(model), head, piece) not in store:
+                piece_entry(model, store, head, piece, head_kv, cancel)
+                made += 1
+    return made

@@ -1,0 +1,285 @@
+"""The source cache (decoding/source_cache.py, backends/source_kv.py): each source piece's KV computed once
+behind the prompt's head, kept in memory and on disk, re-positioned into later prompts. Real SmolLM2-135M."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import PARAGRAPHS
+
+from ragspec.decoding.backends import source_kv
+from ragspec.decoding.backends.transformers import TransformersBackend
+from ragspec.decoding.source_cache import SourceKVStore, SourcePlan, entry_key
+from ragspec.pipeline.prompt import PromptBuilder, SourceText
+
+
+def built_prompt(tok, question="Where does the Danube rise?", order=(0, 1, 2), paragraphs=PARAGRAPHS):
+    items = list(paragraphs.items())
+    sources = [SourceText(n + 1, items[i][1], items[i][0]) for n, i in enumerate(order)]
+    return PromptBuilder(tok).build(question, sources)
+
+
+def full_cache(model, ids, positions=None):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    pos = torch.arange(len(ids))[None] if positions is None else positions
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([ids]), position_ids=pos, past_key_values=cache, use_cache=True)
+    return cache, out.logits[0, -1]
+
+
+def test_prompt_units(smol):
+    """The head ends where the sources begin; each piece is the exact tokens of one source's text."""
+    _, tok = smol
+    b = built_prompt(tok)
+    assert tok.decode(b.ids[: b.head]).endswith("Sources:\n")
+    assert len(b.pieces) == 3
+    texts = list(PARAGRAPHS.values())
+    for (a, e), text in zip(b.pieces, texts):
+        assert tok.decode(b.ids[a:e]).strip() == text.strip()
+        assert all(b.token_source[i] for i in range(a, e))
+
+
+def test_piece_with_nothing_before_equals_full_prefill(smol):
+    """The head is computed from position 0: its entry is exactly the full prefill's KV of the same tokens."""
+    model, tok = smol
+    b = built_prompt(tok)
+    head = b.ids[: b.head]
+    entry, found = source_kv.head_entry(model, SourceKVStore(), head)
+    assert not found
+    cache, _ = full_cache(model, head)
+    assert torch.equal(entry, source_kv.stack(cache, 0, len(head)))
+
+
+def test_rerotated_keys_equal_keys_computed_at_the_target_position(smol):
+    """RoPE is relative: the same tokens at positions shifted by d have keys turned by d, in every layer."""
+    model, tok = smol
+    ids = built_prompt(tok).ids[:80]
+    at0, _ = full_cache(model, ids)
+    for d in (1, 37, 900):
+        atd, _ = full_cache(model, ids, torch.arange(d, d + len(ids))[None])
+        inv = source_kv.rotary(model).inv_freq
+        for l0, ld in zip(at0.layers, atd.layers):
+            moved = source_kv.rotate(l0.keys, d, inv)
+            assert torch.allclose(moved, ld.keys, atol=1e-4 * ld.keys.abs().max().item(), rtol=0)
+            assert torch.allclose(l0.values, ld.values, atol=1e-4 * ld.values.abs().max().item(), rtol=0)
+
+
+def test_assembled_with_every_token_recomputed_is_full_prefill(smol):
+    """Recompute covering whole pieces leaves only the head cached: the logits are full prefill's."""
+    model, tok = smol
+    b = built_prompt(tok)
+    _, ref = full_cache(model, b.ids)
+    plan = SourcePlan(SourceKVStore(), b.head, b.pieces, recompute=10_000)
+    cache, logits = source_kv.assemble(model, b.ids, plan)
+    assert plan.reused == 0 and plan.stored == b.head and plan.computed == len(b.ids) - b.head
+    assert torch.allclose(logits, ref, atol=1e-3)
+    assert cache.layers[0].keys.shape[2] == len(b.ids)
+
+
+def test_warm_store_reuses_and_counts(smol):
+    model, tok = smol
+    b = built_prompt(tok)
+    store = SourceKVStore()
+    cold = SourcePlan(store, b.head, b.pieces, recompute=4)
+    _, first = source_kv.assemble(model, b.ids, cold)
+    assert cold.misses == 4 and cold.hits == 0  # the head and three pieces computed into the store
+    assert cold.reused == 0 and cold.stored + cold.computed == len(b.ids)
+    warm = SourcePlan(store, b.head, b.pieces, recompute=4)
+    _, again = source_kv.assemble(model, b.ids, warm)
+    assert warm.hits == 4 and warm.misses == 0
+    assert warm.reused == b.head + sum(e - a - 4 for a, e in b.pieces)
+    assert warm.reused + warm.computed == len(b.ids)
+    assert torch.equal(first, again)
+    # the same sources in another order and under another question reuse every piece
+    other = built_prompt(tok, "How long is bread baked?", order=(2, 0, 1))
+    moved = SourcePlan(store, other.head, other.pieces, recompute=4)
+    source_kv.assemble(model, other.ids, moved)
+    assert moved.misses == 0 and moved.hits == 4
+
+
+def test_entries_never_reused_across_model_dtype_tokens_or_document(smol):
+    model, tok = smol
+    b = built_prompt(tok)
+    key = source_kv.model_key(model)
+    head, piece = b.ids[: b.head], b.ids[b.pieces[0][0] : b.pieces[0][1]]
+    k = entry_key(key, head, piece)
+    assert k != entry_key(key, head, piece[:-1]) and k != entry_key(key, head[1:], piece)
+    from transformers import AutoModelForCausalLM
+
+    other = AutoModelForCausalLM.from_config(model.config)  # the same architecture, other weights
+    other_key = source_kv.model_key(other)
+    assert other_key != key
+    other.__dict__.pop("_ragspec_kv_key", None)
+    assert source_kv.model_key(other.to(torch.bfloat16)) != other_key  # dtype
+    # a changed document: its piece's tokens change, so it is a miss, and the unchanged ones hit
+    store = SourceKVStore()
+    source_kv.assemble(model, b.ids, SourcePlan(store, b.head, b.pieces))
+    edited = dict(PARAGRAPHS)
+    edited["rivers.txt"] = edited["rivers.txt"].replace("ten countries", "ten European countries")
+    e = built_prompt(tok, paragraphs=edited)
+    plan = SourcePlan(store, e.head, e.pieces)
+    source_kv.assemble(model, e.ids, plan)
+    assert plan.misses == 1 and plan.hits == 3
+
+
+def test_damaged_disk_entry_is_recomputed_never_used(smol, tmp_path):
+    model, tok = smol
+    b = built_prompt(tok)
+    store = SourceKVStore(directory=tmp_path)
+    _, ref = source_kv.assemble(model, b.ids, SourcePlan(store, b.head, b.pieces))
+    files = sorted(tmp_path.glob("*.kv"))
+    assert len(files) == 4
+    raw = files[0].read_bytes()
+    files[0].write_bytes(raw[: len(raw) // 2])  # a partial write
+    raw = files[1].read_bytes()
+    files[1].write_bytes(raw[:-9] + bytes([raw[-9] ^ 0xFF]) + raw[-8:])  # a flipped byte
+    fresh = SourceKVStore(directory=tmp_path)  # a new process: memory empty, the disk as left
+    plan = SourcePlan(fresh, b.head, b.pieces)
+    _, logits = source_kv.assemble(model, b.ids, plan)
+    assert fresh.stats.damaged == 2 and plan.misses == 2 and plan.hits == 2
+    assert fresh.stats.disk_hits == 2
+    assert torch.allclose(logits, ref, atol=1e-5)
+    again = SourceKVStore(directory=tmp_path)  # the damaged entries were rewritten whole
+    plan = SourcePlan(again, b.head, b.pieces)
+    source_kv.assemble(model, b.ids, plan)
+    assert plan.hits == 4 and again.stats.damaged == 0
+
+
+def test_store_stays_under_its_bounds(tmp_path):
+    store = SourceKVStore(memory_bytes=10_000, directory=tmp_path, disk_bytes=30_000)
+    for i in range(40):
+        value = torch.full((1000,), float(i))
+        store.put(f"k{i}", value, 4000, source_kv.dump)
+        assert store.memory_used <= 10_000
+        assert sum(p.stat().st_size for p in tmp_path.glob("*.kv")) <= 30_000
+        assert store.disk_used <= 30_000
+    assert store.get("k39", source_kv.loader("cpu")) is not None
+    assert store.get("k0", source_kv.loader("cpu")) is None  # the least recently used went first
+    reopened = SourceKVStore(memory_bytes=10_000, directory=tmp_path, disk_bytes=30_000)
+    assert torch.equal(reopened.get("k39", source_kv.loader("cpu")), torch.full((1000,), 39.0))
+
+
+def test_concurrent_use_is_safe(tmp_path):
+    store = SourceKVStore(memory_bytes=200_000, directory=tmp_path, disk_bytes=400_000)
+    errors = []
+
+    def work(t):
+        try:
+            for i in range(60):
+                key = f"k{(i * 7 + t) % 25}"
+                got = store.get(key, source_kv.loader("cpu"))
+                if got is None:
+                    store.put(key, torch.full((2000,), float(int(key[1:]))), 8000, source_kv.dump)
+                else:
+                    assert torch.equal(got, torch.full((2000,), float(int(key[1:]))))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert store.memory_used <= 200_000 and store.disk_used <= 400_000
+
+
+def greedy_over(model, cache, logits, n):
+    """Plain greedy decoding, one token per forward, continuing a given cache."""
+    out, pos = [], cache.layers[0].keys.shape[2]
+    with torch.inference_mode():
+        for _ in range(n):
+            tok = int(logits.argmax())
+            out.append(tok)
+            o = model(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[pos]]), past_key_values=cache,
+                      use_cache=True)
+            logits, pos = o.logits[0, -1], pos + 1
+    return out
+
+
+@pytest.mark.parametrize("method", ["none", "suffix", "pld"])
+def test_greedy_over_the_assembled_cache_is_plain_greedy_over_it(smol, method):
+    from ragspec.decoding.drafters import make_drafter
+    from ragspec.decoding.generate import SpeculativeGenerator
+
+    model, tok = smol
+    b = built_prompt(tok, "What does mode 'a' do when opening a file?")
+    store = SourceKVStore()
+    source_kv.assemble(model, b.ids, SourcePlan(store, b.head, b.pieces))  # fill
+    cache, logits = source_kv.assemble(model, b.ids, SourcePlan(store, b.head, b.pieces))
+    gen = SpeculativeGenerator(model, tok, make_drafter(method, model, tok), max_new_tokens=40)
+    plan = SourcePlan(store, b.head, b.pieces)
+    list(gen.stream(b.ids, b.segments, sources=plan))
+    assert plan.hits == 4 and plan.reused > 0
+    ref = greedy_over(model, cache, logits, 40)
+    eos = gen.eos
+    cut = next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))
+    assert gen.tokens == ref[:cut]
+
+
+def test_prefill_falls_back_with_a_reason_for_pld_plus(smol):
+    model, tok = smol
+    b = built_prompt(tok)
+    plan = SourcePlan(SourceKVStore(), b.head, b.pieces)
+    TransformersBackend(model, hidden_layer=3).prefill(b.ids, sources=plan)
+    assert "PLD+" in plan.fallback and plan.reused == 0
+
+
+def test_llama_cpp_prefills_in_full_and_says_why(tmp_path):
+    from ragspec.decoding.backends.llama_cpp import available
+
+    why = available()
+    if why:
+        pytest.skip(why)
+    from ragspec.pipeline import Pipeline
+
+    pipe = Pipeline({"generator": {"model": "smollm2-135m-instruct", "backend": "llama.cpp", "max_new_tokens": 12,
+                                   "source_cache": "on"}, "prompt": {"relevance_floor": "off"}})
+    docs = list(PARAGRAPHS.values())
+    on = pipe.ask("Where does the Danube rise?", documents=docs)
+    off = pipe.ask("Where does the Danube rise?", documents=docs, source_cache="off")
+    assert "llama.cpp" in on.stats.cache_note and on.stats.cache_reused_tokens == 0
+    assert on.text == off.text
+
+
+def test_pipeline_reuses_sources_across_asks(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAGSPEC_HOME", str(tmp_path))
+    from ragspec.pipeline import Pipeline
+
+    pipe = Pipeline({"generator": {"model": "smollm2-135m-instruct", "max_new_tokens": 16, "source_cache": "on",
+                                   "source_cache_disk_mb": 16}, "prompt": {"relevance_floor": "off"}})
+    docs = list(PARAGRAPHS.values())
+    first = pipe.ask("Where does the Danube rise?", documents=docs)
+    st = first.stats
+    assert st.cache_reused_tokens == 0 and st.cache_stored_tokens > 0.6 * st.prompt_tokens  # cold: all computed
+    assert st.cache_stored_tokens + st.cache_computed_tokens == st.prompt_tokens
+    second = pipe.ask("Which river carries more traffic?", documents=docs[::-1])
+    assert second.stats.cache_reused_tokens > 0.6 * second.stats.prompt_tokens
+    assert second.stats.cache_reused_tokens + second.stats.cache_computed_tokens == second.stats.prompt_tokens
+    assert second.as_json()["stats"]["cache_reused_tokens"] == second.stats.cache_reused_tokens
+    off = pipe.ask("Which river carries more traffic?", documents=docs[::-1], source_cache="off")
+    assert off.stats.cache_reused_tokens == 0 and off.stats.cache_computed_tokens == 0
+    assert list((tmp_path / "kv").glob("*.kv"))  # kept on disk under $RAGSPEC_HOME/kv
+    with pytest.raises(Exception, match="on, off or auto"):
+        pipe.ask("x?", documents=docs, source_cache="sometimes")
+
+
+def test_source_budget_pieces_are_cached_as_pieces(monkeypatch, tmp_path):
+    """A source cut by the budget is several pieces: each is its own entry, the elision marks are computed."""
+    monkeypatch.setenv("RAGSPEC_HOME", str(tmp_path))
+    from ragspec.pipeline import Pipeline
+
+    long = " ".join(f"Sentence number {i} talks about topic {i % 7} in some detail." for i in range(60))
+    pipe = Pipeline({"generator": {"model": "smollm2-135m-instruct", "max_new_tokens": 8, "source_cache": "on"},
+                     "prompt": {"relevance_floor": "off", "source_tokens": 120}})
+    p = pipe.prepare("What does sentence number 30 talk about?", documents=[long])
+    assert len(p.built.sources[0].pieces) > 1
+    assert len(p.built.pieces) == len(p.built.sources[0].pieces)
+    first = pipe.ask("What does sentence number 30 talk about?", documents=[long])
+    again = pipe.ask("What does sentence number 30 talk about?", documents=[long])
+    assert again.stats.cache_reused_tokens > first.stats.cache_reused_tokens
+    assert again.text == first.text
