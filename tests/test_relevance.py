@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -223,3 +224,31 @@ def test_eval_answers_takes_the_floor(tmp_path):
                                 "--relevance-doubt", bad])
         assert r.exit_code == 2 and "relevance_doubt" in r.output.replace("-", "_"), r.output
         assert len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_window_embeddings_are_remembered_across_asks(embedder):
+    """The gate embeds a source's windows once: a later ask over the same sources embeds only its question,
+    and scores as it would from nothing."""
+    from ragspec.pipeline.relevance import EmbeddingMemo, measure
+
+    sources = [SourceText(1, "The Danube flows through ten countries. It rises in the Black Forest. It ends in "
+                             "the Black Sea.", "rivers.txt", title="Rivers"),
+               SourceText(2, "Knead the dough for ten minutes. Let it rise for an hour.", "bread.rst")]
+    calls = []
+
+    class Counting:
+        def encode(self, texts):
+            calls.append(list(texts))
+            return embedder.encode(texts)
+
+    memo = EmbeddingMemo()
+    first = measure(Counting(), "Where does the Danube rise?", sources, memo=memo)
+    again = measure(Counting(), "Which sea does the Danube reach?", sources, memo=memo)
+    plain = measure(embedder, "Which sea does the Danube reach?", sources)
+    assert len(calls[0]) > 3 and calls[1] == ["Which sea does the Danube reach?"]
+    assert abs(again.score - plain.score) < 1e-5 and first.score != again.score
+    for a, b in zip(again.windows, plain.windows):
+        assert np.allclose(a, b, atol=1e-5)
+    small = EmbeddingMemo(capacity=2)
+    measure(embedder, "Where does the Danube rise?", sources, memo=small)
+    assert len(small.vectors) == 2

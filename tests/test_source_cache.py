@@ -283,3 +283,26 @@ def test_source_budget_pieces_are_cached_as_pieces(monkeypatch, tmp_path):
     again = pipe.ask("What does sentence number 30 talk about?", documents=[long])
     assert again.stats.cache_reused_tokens > first.stats.cache_reused_tokens
     assert again.text == first.text
+
+
+def test_index_kv_cache_fills_ahead_of_asks(monkeypatch, tmp_path, corpus):
+    """`ragspec index --kv-cache` computes every chunk's entry: the first ask already reuses its sources."""
+    monkeypatch.setenv("RAGSPEC_HOME", str(tmp_path / "home"))
+    from typer.testing import CliRunner
+
+    from ragspec.cli import app
+    from ragspec.pipeline import Pipeline
+
+    spec = tmp_path / "smol.yaml"
+    spec.write_text("generator: {model: smollm2-135m-instruct, max_new_tokens: 8, source_cache: 'on'}\n"
+                    "prompt: {relevance_floor: 'off'}\n")
+    out = tmp_path / "idx"
+    res = CliRunner().invoke(app, ["index", str(corpus), "--out", str(out), "--pipeline", str(spec), "--kv-cache"])
+    assert res.exit_code == 0, res.output
+    assert "source cache" in res.output and "pieces computed" in res.output
+    assert list((tmp_path / "home" / "kv").glob("*.kv"))
+    pipe = Pipeline(spec, out)
+    a = pipe.ask("Where does the Danube rise?")
+    assert a.stats.cache_reused_tokens > 0.5 * a.stats.prompt_tokens and a.stats.cache_stored_tokens == 0
+    again = CliRunner().invoke(app, ["index", str(corpus), "--out", str(out), "--pipeline", str(spec), "--kv-cache"])
+    assert again.exit_code == 0 and "0 pieces computed" in again.output

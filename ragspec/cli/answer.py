@@ -27,6 +27,8 @@ def ask(
     source_tokens: str | None = typer.Option(None, "--source-tokens", help="override prompt.source_tokens (auto | "
                                                 "off | N): cut the sources to N tokens of the windows that bear "
                                                 "on the question"),
+    source_cache: str | None = typer.Option(None, "--source-cache", help="override generator.source_cache (on | "
+                                               "off | auto): reuse each source piece's KV across asks"),
 ):
     """Answer a question over an index: streamed, copied spans highlighted and cited, sources listed."""
 
@@ -55,7 +57,12 @@ def ask(
             except RagspecError:
                 raise RagspecError(f"--source-tokens must be auto, off or a number of tokens (1 or more), "
                                    f"not '{source_tokens}'") from None
-        changed = model or method or max_new_tokens is not None or where or source_tokens is not None
+        if source_cache is not None:
+            if source_cache not in ("on", "off", "auto"):
+                raise RagspecError(f"--source-cache must be on, off or auto, not '{source_cache}'")
+            data["generator"]["source_cache"] = source_cache
+        changed = (model or method or max_new_tokens is not None or where or source_tokens is not None
+                   or source_cache is not None)
         pipe = Pipeline(load_spec(data) if changed else load_spec(spec),
                         str(index_path) if index_path else None)
         with console.status("loading the index and the model…"):
@@ -186,8 +193,10 @@ def _print_stats(answer) -> None:
     s = answer.stats
     speed = f" · speed-up ≈ {s.speedup_estimate:.2f}× vs plain decoding" if s.speedup_estimate else ""
     console.print(
-        f"[dim]retrieval {s.retrieval_ms:.0f} ms · prompt {s.prompt_tokens} tokens, prefill {s.prefill_ms:.0f} ms · "
-        f"{s.new_tokens} tokens in {s.decode_ms / 1000:.1f} s ({s.decode_tokens_per_s:.1f} tok/s, "
+        f"[dim]retrieval {s.retrieval_ms:.0f} ms · prompt {s.prompt_tokens} tokens, prefill {s.prefill_ms:.0f} ms"
+        + (f" ({s.cache_reused_tokens} from the source cache)" if s.cache_reused_tokens else "")
+        + (f" (source cache: {s.cache_note})" if s.cache_note else "") + " · "
+        + f"{s.new_tokens} tokens in {s.decode_ms / 1000:.1f} s ({s.decode_tokens_per_s:.1f} tok/s, "
         f"{s.mean_accepted:.2f} tokens/step, drafting {s.drafting}){speed}"
         + (f" · {s.backend}/{s.dtype}" if s.backend else "") + "[/]"
     )

@@ -189,6 +189,13 @@ def eval_answers(
     source_tokens: str | None = typer.Option(None, "--source-tokens", help="override prompt.source_tokens "
                                                 "(auto | off | N): cut the sources to N tokens of the windows "
                                                 "that bear on the question"),
+    source_cache: str | None = typer.Option(None, "--source-cache", help="override generator.source_cache (on | "
+                                               "off | auto): reuse each source piece's KV across asks"),
+    cache_recompute: int | None = typer.Option(None, "--cache-recompute", help="override generator."
+                                                  "source_cache_recompute: first tokens of each piece computed in "
+                                                  "full"),
+    skip: int = typer.Option(0, "--skip", help="leave out the first N records (clapnq folder: N of each file), "
+                                               "to keep tuning and report records apart"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result JSON here (rewritten after "
                                             "every record)"),
 ):
@@ -210,6 +217,12 @@ def eval_answers(
             raise RagspecError("--limit must be at least 1")
         if max_new_tokens is not None and max_new_tokens < 1:
             raise RagspecError("--max-new-tokens must be at least 1")
+        if skip < 0:
+            raise RagspecError("--skip must be 0 or more")
+        if source_cache is not None and source_cache not in ("on", "off", "auto"):
+            raise RagspecError(f"--source-cache must be on, off or auto, not '{source_cache}'")
+        if cache_recompute is not None and cache_recompute < 0:
+            raise RagspecError("--cache-recompute must be 0 or more")
         from ragspec.settings import parse_source_tokens
 
         try:
@@ -219,7 +232,7 @@ def eval_answers(
                                f"not '{source_tokens}'") from None
         if retrieve is not None and not retrieve.exists():
             raise RagspecError(f"index {retrieve} does not exist")
-        records = read_records(data, fmt, limit)
+        records = read_records(data, fmt, limit, skip)
         if retrieve is None and any(not r.passages for r in records):
             bad = next(r for r in records if not r.passages)
             raise RagspecError(f"record {bad.id} of {data} has no passage to answer over (use --retrieve INDEX)")
@@ -243,6 +256,10 @@ def eval_answers(
                 raise RagspecError(f"{flag} must be {words} or a cosine in [-1, 1], not '{value}'") from None
         if source_tokens is not None:
             d["prompt"]["source_tokens"] = budget
+        if source_cache is not None:
+            d["generator"]["source_cache"] = source_cache
+        if cache_recompute is not None:
+            d["generator"]["source_cache_recompute"] = cache_recompute
         pipe = Pipeline(load_spec(d), str(retrieve) if retrieve else None)
         with console.status("loading the model…"):
             if retrieve is not None:
@@ -252,7 +269,9 @@ def eval_answers(
                 "decline": None if pipe.spec.prompt.system else pipe.decline, "model": pipe.spec.generator.model,
                 "relevance_floor": pipe.relevance_gate.floor if pipe.relevance_gate else None,
                 "relevance_doubt": pipe.relevance_gate.doubt if pipe.relevance_gate else None,
-                "source_tokens": pipe.source_budget,
+                "source_tokens": pipe.source_budget, "skip": skip,
+                "source_cache": pipe.source_cache_on(),
+                "source_cache_recompute": pipe.spec.generator.source_cache_recompute,
                 "drafting": pipe.spec.drafting.method, "max_new_tokens": pipe.spec.generator.max_new_tokens,
                 "sources": "retrieved from " + str(retrieve) if retrieve else "the record's own passages"}
         rows = []
@@ -274,7 +293,8 @@ def eval_answers(
             f"{f(r['refusal_rate'])} · false refusal {f(r['false_refusal_rate'])} · citation coverage "
             f"{f(r['citation_coverage'])}\n"
             f"prompt {f(r['mean_prompt_tokens'], '{:.0f}')} tokens ({f(r['mean_source_tokens'], '{:.0f}')} of "
-            f"sources; source budget {r['source_tokens'] or 'off'}) · "
+            f"sources; source budget {r['source_tokens'] or 'off'}; source cache "
+            f"{'on, ' + f(r['mean_cache_reused_tokens'], '{:.0f}') + ' reused' if r['source_cache'] else 'off'}) · "
             f"TTFT p50 {f(r['ttft_ms_p50'], '{:.0f}')} ms · decode {f(r['decode_tokens_per_s'], '{:.2f}')} tok/s · "
             f"speed-up {f(r['speedup'], '{:.2f}×')}", soft_wrap=True, highlight=False)
 

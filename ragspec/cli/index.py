@@ -27,6 +27,8 @@ def index(
     nprobe: int | None = typer.Option(None, "--nprobe", help="IVF lists probed per query (16)"),
     device: str | None = typer.Option(None, "--device", help="cpu | cuda"),
     spec: Path | None = typer.Option(None, "--pipeline", help="take index settings from a pipeline YAML"),
+    kv_cache: bool = typer.Option(False, "--kv-cache", help="also fill the source cache: every chunk's KV for "
+                                                        "the pipeline's generator (docs/decoding.md)"),
     executor: str = typer.Option("local", "--executor", help="local | ray (chunk and embed on a Ray cluster)"),
     address: str | None = typer.Option(None, "--address", help="with --executor ray: the cluster "
                                           "('auto', 'ray://HOST:10001'); default: start a local Ray"),
@@ -63,6 +65,8 @@ def index(
                 f"[green]up to date[/] {target}: {s.documents} documents, {s.chunks} chunks, nothing changed "
                 f"({s.seconds:.1f} s)"
             )
+            if kv_cache:
+                _fill_source_cache(target, spec)
             return
         console.print(
             f"[green]indexed[/] {target}: {s.documents} documents from {s.files} files "
@@ -71,8 +75,30 @@ def index(
             + (f", {s.chunks_per_s:.1f} chunks/s embedding" if s.embedded else "")
             + f"; FAISS {s.factory} ({s.index_type}); {human_bytes(s.bytes)} on disk"
         )
+        if kv_cache:
+            _fill_source_cache(target, spec)
 
     run(body)
+
+
+def _fill_source_cache(target: Path, spec: Path | None) -> None:
+    """Every chunk's KV for the pipeline's generator, into the source cache ($RAGSPEC_HOME/kv), with a bar."""
+    import time
+
+    from ragspec.console import progress
+    from ragspec.pipeline import Pipeline
+    from ragspec.spec import load_spec
+
+    pipe = Pipeline(load_spec(spec) if spec else None, str(target))
+    with console.status("loading the model…"):
+        pipe.load()
+    t = time.perf_counter()
+    with progress() as bar:
+        task = bar.add_task("source cache", total=None)
+        made = pipe.fill_source_cache(on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+    store = pipe.source_store
+    console.print(f"[green]source cache[/] {made} pieces computed in {time.perf_counter() - t:.1f} s for "
+                  f"{pipe.spec.generator.model}; {human_bytes(store.disk_used)} in {store.directory}")
 
 
 def _index_executor(kind: str, address: str | None, actors: int, gpus: float):

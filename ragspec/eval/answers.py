@@ -212,7 +212,9 @@ def read_specbench(path: Path, limit: int | None = None) -> list[QARecord]:
     return out
 
 
-def read_records(path: Path, fmt: str, limit: int | None = None) -> list[QARecord]:
+def read_records(path: Path, fmt: str, limit: int | None = None, skip: int = 0) -> list[QARecord]:
+    """The records after the first `skip`, at most `limit` of them (a CLAP NQ folder: of each file), so tuning
+    and report records can be kept apart."""
     if fmt not in FORMATS:
         raise RagspecError(f"--format '{fmt}' is not one of {', '.join(FORMATS)}")
     if not path.exists():
@@ -220,7 +222,13 @@ def read_records(path: Path, fmt: str, limit: int | None = None) -> list[QARecor
     if path.is_dir() and fmt != "clapnq":
         raise RagspecError(f"{path} is a folder; --format {fmt} reads one file")
     reader = {"nq": read_nq, "clapnq": read_clapnq, "specbench": read_specbench}[fmt]
-    recs = reader(path, limit)
+    recs = reader(path, None if limit is None else skip + limit)
+    if skip:
+        end = None if limit is None else skip + limit
+        if fmt == "clapnq" and path.is_dir():
+            recs = [r for r in recs if r.answerable][skip:end] + [r for r in recs if not r.answerable][skip:end]
+        else:
+            recs = recs[skip:end]
     if not recs:
         raise RagspecError(f"{path} holds no records")
     return recs
@@ -248,6 +256,7 @@ def score(rec: QARecord, answer) -> dict:
         "citations": len(answer.citations),
         "new_tokens": s.new_tokens, "decode_ms": round(s.decode_ms, 1), "ttft_ms": round(s.ttft_ms, 1),
         "prompt_tokens": s.prompt_tokens, "source_tokens": s.source_tokens, "mean_accepted": round(s.mean_accepted, 3),
+        "cache_reused_tokens": s.cache_reused_tokens, "cache_computed_tokens": s.cache_computed_tokens,
         "speedup_estimate": None if s.speedup_estimate is None else round(s.speedup_estimate, 3),
         "finish_reason": s.finish_reason, "relevance": None if s.relevance is None else round(s.relevance, 4),
     }
@@ -289,6 +298,7 @@ def summarize(rows: list[dict], **meta) -> dict:
         "mean_new_tokens": round(tokens / len(rows), 2) if rows else None,
         "mean_prompt_tokens": _mean([r.get("prompt_tokens") or None for r in rows]),  # declined: no prompt
         "mean_source_tokens": _mean([r.get("source_tokens") for r in rows if r.get("prompt_tokens")]),
+        "mean_cache_reused_tokens": _mean([r.get("cache_reused_tokens") for r in rows if r.get("prompt_tokens")]),
         "mean_accepted": _mean([r.get("mean_accepted") for r in rows if r["new_tokens"]]),
         "rows": rows,
     }

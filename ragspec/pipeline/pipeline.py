@@ -335,6 +335,36 @@ class Pipeline:
         return SourcePlan(self.source_store, built.head, list(built.pieces),
                           self.spec.generator.source_cache_recompute)
 
+    def fill_source_cache(self, texts: list[str] | None = None, on_progress=None, cancel=None) -> int:
+        """Compute the source cache's entries ahead of asks: each text (default: every chunk of the index) as a
+        whole source under the head an ask past the relevance gate has. Returns the entries computed (those
+        already stored are skipped). A merged or budget-cut source is a new piece, filled by the ask that sends
+        it. `on_progress(done, total)` after each text."""
+        from ragspec.decoding.backends.source_kv import fill, unsupported
+
+        self.load()
+        if self.choice is not None and self.choice.backend != "transformers":
+            raise RagspecError(f"the source cache needs the transformers backend; this pipeline runs "
+                               f"{self.choice.backend} (set generator.backend: transformers)")
+        why = unsupported(self.model)
+        if why:
+            raise RagspecError(f"the source cache cannot move this model's keys: {why}")
+        if texts is None:
+            texts = self.retriever.index.store.all_chunk_texts()
+        builder = self.prompt_builder(self.spec.generator.max_new_tokens,
+                                      NO_DECLINE if self.relevance_gate is not None else None)
+        made = 0
+        for i, text in enumerate(texts):
+            if text.strip():
+                built = builder.build("?", [SourceText(1, text)])
+                head = built.ids[: built.head]
+                with self._gen_lock:
+                    made += fill(self.model, self.source_store, head, [built.ids[a:b] for a, b in built.pieces],
+                                 cancel)
+            if on_progress is not None:
+                on_progress(i + 1, len(texts))
+        return made
+
     @property
     def source_budget(self) -> int | None:
         """`prompt.source_tokens` resolved: a token count, or None when sources are sent whole."""
