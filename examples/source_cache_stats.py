@@ -68,9 +68,10 @@ def measure(index, pipeline=None, recompute=(4,), max_new=48, budget="off", n=No
                           for k, v in row["settings"].items())
         print(f"{q[:44]:44s} {row['full']['prompt_tokens']:5d} tok full {row['full']['ttft_s']:5.2f} s | {line}",
               flush=True)
-    store = pipe._source_store
-    per_1k = store.memory_used / max(1, sum(r["settings"][str(recompute[-1])]["cold"]["stored"] for r in rows)) * 1000
-    return pipe, rows, per_1k
+    cfg = pipe.model.config  # a cached token: layers x (keys, values) x KV heads x head size x element size
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * next(pipe.model.parameters()).element_size()
+    return pipe, rows, per_token * 1000
 
 
 if __name__ == "__main__":

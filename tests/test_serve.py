@@ -316,3 +316,28 @@ def test_request_past_its_timeout_gets_504_and_stops(index_path, embedder, smol)
         assert wait_idle(srv.url)["queued"] == 0 and server.cancelled == 2
     finally:
         srv.stop()
+
+
+def test_the_server_shares_one_source_cache(index_path, embedder, smol, monkeypatch, tmp_path):
+    """With generator.source_cache on, a second request over the same sources reuses them: OpenAI's
+    usage.prompt_tokens_details.cached_tokens says how many prompt tokens, and the answer is the first's."""
+    from openai import OpenAI
+
+    from ragspec.serve.app import Server, create_app
+    from ragspec.settings import ServeSettings
+
+    monkeypatch.setenv("RAGSPEC_HOME", str(tmp_path))
+    spec = {**SPEC, "generator": {**SPEC["generator"], "source_cache": "on", "source_cache_disk_mb": 0}}
+    server = Server(make_pipeline(index_path, embedder, *smol, spec=spec), ServeSettings(prefix_cache=0),
+                    model_name=MODEL, index_label=str(index_path))
+    srv = LiveServer(create_app(server))
+    try:
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="none")
+        msgs = [{"role": "user", "content": QUESTIONS[0]}]
+        first = client.chat.completions.create(model=MODEL, messages=msgs)
+        again = client.chat.completions.create(model=MODEL, messages=msgs)
+    finally:
+        srv.stop()
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens > 0.5 * again.usage.prompt_tokens
+    assert again.choices[0].message.content == first.choices[0].message.content

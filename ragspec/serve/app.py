@@ -45,6 +45,7 @@ from ragspec.serve.openai_schema import (
     Delta,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     ResponseMessage,
     SearchRequest,
     Usage,
@@ -419,8 +420,10 @@ def create_app(server: Server) -> FastAPI:
                                       instructions=instructions, cancel=cancel)
 
         def usage(answer) -> Usage:
-            p, c = answer.stats.prompt_tokens, answer.stats.new_tokens
-            return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+            s = answer.stats
+            p, c = s.prompt_tokens, s.new_tokens
+            cached = PromptTokensDetails(cached_tokens=s.prefix_reused_tokens + s.cache_reused_tokens)
+            return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, prompt_tokens_details=cached)
 
         if not req.stream:
             answer = await server.final_answer(make, cancel, request)

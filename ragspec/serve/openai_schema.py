@@ -68,10 +68,15 @@ class ChatCompletionRequest(_Lenient):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV was reused (prefix cache and source cache), as OpenAI reports
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class ResponseMessage(BaseModel):
