@@ -6,8 +6,9 @@ Every question is asked four ways, interleaved so each ratio is measured in one 
 - warm: the store holding this question's pieces in memory (filled by the cold ask, as ahead of time);
 - disk: a new store over the same folder (memory empty, entries read back from disk: a restarted server).
 It prints the median TTFT of each, how many answers equal full prefill's, the store's size per 1,000 tokens
-and the CPU flags. `--recompute 0,4,16` measures several recompute settings side by side (full once).
-Usage: python examples/source_cache_stats.py INDEX [--pipeline FILE] [--recompute 4] [--max-new-tokens 48]
+and the CPU flags. `--recompute 0,4,16` measures several recompute settings side by side (full once); `K:F`
+recomputes the first K tokens of each piece and the fraction F of the rest that deviates most (CacheBlend).
+Usage: python examples/source_cache_stats.py INDEX [--pipeline FILE] [--recompute 4,4:0.15] [--max-new-tokens 48]
        [--source-tokens off] [--questions N] [--json OUT]
 """
 
@@ -53,7 +54,9 @@ def measure(index, pipeline=None, recompute=(4,), max_new=48, budget="off", n=No
     for q in QUESTIONS[:n or len(QUESTIONS)]:
         row = {"question": q, "full": ask(pipe, q, "off", max_new, budget), "settings": {}}
         for k in recompute:
-            g = pipe.spec.generator.model_copy(update={"source_cache_recompute": k})
+            first, _, blend = str(k).partition(":")
+            g = pipe.spec.generator.model_copy(update={"source_cache_recompute": int(first),
+                                                        "source_cache_blend": float(blend or 0)})
             pipe.spec = pipe.spec.model_copy(update={"generator": g})
             pipe._source_store.clear()
             r = {"cold": ask(pipe, q, "on", max_new, budget), "warm": ask(pipe, q, "on", max_new, budget)}
@@ -86,7 +89,7 @@ if __name__ == "__main__":
     ap.add_argument("--questions", type=int, default=len(QUESTIONS))
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    ks = [int(k) for k in a.recompute.split(",")]
+    ks = [k.strip() for k in a.recompute.split(",") if k.strip()]
     model, flags = read_cpuinfo()
     simd = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")) or f in ("f16c", "sse4_2"))
     print(f"CPU: {model}; flags: {' '.join(simd)}", flush=True)
@@ -106,7 +109,7 @@ if __name__ == "__main__":
                                  for r in rows)
         summary["settings"][str(k)] = {**{f"{m}_median_ttft_s": v for m, v in s.items()}, "same_as_full": same,
                                        "cold_same_as_warm": cold_same, "mean_reused_share": round(reused, 3)}
-        print(f"recompute {k:3d}: median TTFT cold {s['cold']:.2f} s ({s['cold'] / full:.2f}×) · warm "
+        print(f"recompute {k:>6}: median TTFT cold {s['cold']:.2f} s ({s['cold'] / full:.2f}×) · warm "
               f"{s['warm']:.2f} s ({s['warm'] / full:.2f}×) · disk {s['disk']:.2f} s ({s['disk'] / full:.2f}×) · "
               f"answers identical to full prefill {same}/{len(rows)} · warm = cold {cold_same}/{len(rows)} · "
               f"{reused:.0%} of the prompt reused", flush=True)

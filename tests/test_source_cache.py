@@ -332,3 +332,33 @@ def test_one_masked_forward_equals_computing_gap_by_gap(smol):
     assert torch.allclose(logits, last, atol=1e-4)
     for got, want in zip(cache.layers, ref.layers):
         assert torch.allclose(got.keys, want.keys, atol=1e-4) and torch.allclose(got.values, want.values, atol=1e-4)
+
+
+def test_blend_layer_one_kv_is_full_prefills(smol):
+    """CacheBlend's selection compares with layer 1's KV of the prompt computed in full: the one-layer pass
+    gives exactly full prefill's layer-1 keys and values."""
+    model, tok = smol
+    b = built_prompt(tok)
+    cache, _ = full_cache(model, b.ids)
+    with torch.inference_mode():
+        kv = source_kv.second_layer_kv(model, b.ids)
+    assert torch.allclose(kv[0], cache.layers[1].keys[0], atol=1e-4)
+    assert torch.allclose(kv[1], cache.layers[1].values[0], atol=1e-4)
+
+
+def test_blend_recomputes_the_chosen_fraction(smol):
+    model, tok = smol
+    b = built_prompt(tok)
+    store = SourceKVStore()
+    _, ref = full_cache(model, b.ids)
+    whole = SourcePlan(store, b.head, b.pieces, recompute=0, blend=1.0)  # every piece token: full prefill again
+    _, logits = source_kv.assemble(model, b.ids, whole)
+    assert whole.reused == 0 and whole.computed == len(b.ids) - b.head
+    assert torch.allclose(logits, ref, atol=1e-3)
+    part = SourcePlan(store, b.head, b.pieces, recompute=0, blend=0.2)
+    _, mid = source_kv.assemble(model, b.ids, part)
+    pieces = sum(e - a for a, e in b.pieces)
+    assert part.blended == round(0.2 * pieces) and part.reused == b.head + pieces - part.blended
+    plain = SourcePlan(store, b.head, b.pieces, recompute=0)
+    _, far = source_kv.assemble(model, b.ids, plain)
+    assert (mid - ref).abs().max() < (far - ref).abs().max()  # closer to full prefill than no blending

@@ -194,6 +194,8 @@ def eval_answers(
     cache_recompute: int | None = typer.Option(None, "--cache-recompute", help="override generator."
                                                   "source_cache_recompute: first tokens of each piece computed in "
                                                   "full"),
+    cache_blend: float | None = typer.Option(None, "--cache-blend", help="override generator.source_cache_blend: "
+                                                "fraction of cached piece tokens recomputed, the most deviating"),
     skip: int = typer.Option(0, "--skip", help="leave out the first N records (clapnq folder: N of each file), "
                                                "to keep tuning and report records apart"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result JSON here (rewritten after "
@@ -223,6 +225,8 @@ def eval_answers(
             raise RagspecError(f"--source-cache must be on, off or auto, not '{source_cache}'")
         if cache_recompute is not None and cache_recompute < 0:
             raise RagspecError("--cache-recompute must be 0 or more")
+        if cache_blend is not None and not 0 <= cache_blend <= 1:
+            raise RagspecError(f"--cache-blend must be a fraction from 0 to 1, not {cache_blend}")
         from ragspec.settings import parse_source_tokens
 
         try:
@@ -260,6 +264,8 @@ def eval_answers(
             d["generator"]["source_cache"] = source_cache
         if cache_recompute is not None:
             d["generator"]["source_cache_recompute"] = cache_recompute
+        if cache_blend is not None:
+            d["generator"]["source_cache_blend"] = cache_blend
         pipe = Pipeline(load_spec(d), str(retrieve) if retrieve else None)
         with console.status("loading the model…"):
             if retrieve is not None:
@@ -272,6 +278,7 @@ def eval_answers(
                 "source_tokens": pipe.source_budget, "skip": skip,
                 "source_cache": pipe.source_cache_on(),
                 "source_cache_recompute": pipe.spec.generator.source_cache_recompute,
+                "source_cache_blend": pipe.spec.generator.source_cache_blend,
                 "drafting": pipe.spec.drafting.method, "max_new_tokens": pipe.spec.generator.max_new_tokens,
                 "sources": "retrieved from " + str(retrieve) if retrieve else "the record's own passages"}
         rows = []

@@ -46,11 +46,13 @@ class SourcePlan:
     head: int  # prompt tokens [0, head): the fixed head, cached whole
     pieces: list[tuple[int, int]]  # [start, end) of each piece of source text after the head
     recompute: int = 4  # first tokens of each piece computed in full over the assembled context
+    blend: float = 0.0  # and this fraction of the other piece tokens, those whose KV deviates most (CacheBlend)
     # filled by the backend, prompt tokens by where their KV came from: an entry already in the store (reused),
     # an entry this ask computed into the store first (stored: a cold ask), computed in full in place (computed)
     reused: int = 0
     stored: int = 0
     computed: int = 0
+    blended: int = 0  # piece tokens recomputed because their KV deviated most (counted in `computed`)
     hits: int = 0  # pieces (the head included) found in the store
     misses: int = 0  # pieces computed for the store by this ask
     fallback: str = ""  # why the prompt was prefilled in full instead (one line), "" when assembled

@@ -332,8 +332,9 @@ class Pipeline:
             return None
         from ragspec.decoding.source_cache import SourcePlan
 
-        return SourcePlan(self.source_store, built.head, list(built.pieces),
-                          self.spec.generator.source_cache_recompute)
+        g = self.spec.generator
+        return SourcePlan(self.source_store, built.head, list(built.pieces), g.source_cache_recompute,
+                          g.source_cache_blend)
 
     def fill_source_cache(self, texts: list[str] | None = None, on_progress=None, cancel=None) -> int:
         """Compute the source cache's entries ahead of asks: each text (default: every chunk of the index) as a

@@ -169,6 +169,42 @@ def piece_entry(model, store, head: list[int], piece: list[int], head_kv=None, c
     return entry, False
 
 
+def second_layer_kv(model, prompt_ids: list[int]) -> torch.Tensor:
+    """[2, kv heads, n, head_dim]: layer 1's keys and values of the whole prompt computed in full (layer 0 over
+    every token, then layer 1's projections): where a cached piece's KV first feels the context it missed.
+    Costs about one layer of a full prefill."""
+    inner = model.model
+    dev = next(model.parameters()).device
+    n = len(prompt_ids)
+    pos = torch.arange(n, device=dev)[None]
+    h = inner.embed_tokens(torch.tensor([prompt_ids], device=dev))
+    rope = inner.rotary_emb(h, pos)
+    lo = torch.finfo(h.dtype).min
+    mask = torch.full((n, n), lo, dtype=h.dtype, device=dev).triu_(1)[None, None]
+    cache = _new_cache(model)
+    out = inner.layers[0](h, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                          position_embeddings=rope)
+    h = out[0] if isinstance(out, tuple) else out
+    second = inner.layers[1]
+    second.self_attn(hidden_states=second.input_layernorm(h), position_embeddings=rope, attention_mask=mask,
+                     cache=cache, position_ids=pos)
+    return torch.stack([cache.layers[1].keys[0], cache.layers[1].values[0]])
+
+
+def blend_select(model, prompt_ids: list[int], cached_kv: torch.Tensor, cached_pos: list[int], candidates: list[int],
+                 fraction: float) -> list[int]:
+    """CacheBlend's selection: of the `candidates` (indices into the cached positions), the `fraction` whose
+    layer-1 KV deviates most from the prompt computed in full. `cached_kv`: the assembled entry tensor."""
+    if fraction <= 0 or not candidates:
+        return []
+    full = second_layer_kv(model, prompt_ids)  # [2, H, n, D]
+    idx = torch.tensor(candidates, device=full.device)
+    at = torch.tensor([cached_pos[i] for i in candidates], device=full.device)
+    dev = (full[:, :, at].float() - cached_kv[1][:, :, idx].float()).pow(2).sum(dim=(0, 1, 3))
+    k = min(len(candidates), max(1, round(fraction * len(candidates))))
+    return sorted(idx[torch.topk(dev, k).indices].tolist())
+
+
 @torch.inference_mode()
 def assemble(model, prompt_ids: list[int], plan: SourcePlan, cancel=None, on_progress=None):
     """(a DynamicCache of the whole prompt in position order, the last token's logits): the head and pieces
@@ -192,6 +228,7 @@ def assemble(model, prompt_ids: list[int], plan: SourcePlan, cancel=None, on_pro
     else:
         plan.stored += len(head)
     parts, cached_pos, computed_pos = [head_kv], list(range(len(head))), []
+    stored_at: set[int] = set()  # positions whose entry this ask computed (for the stats)
     cursor = len(head)
     for a, b in plan.pieces:
         b = min(b, n - 1)  # the last token is always computed: its logits start the answer
@@ -209,11 +246,26 @@ def assemble(model, prompt_ids: list[int], plan: SourcePlan, cancel=None, on_pro
             plan.reused += b - a - k
         else:
             plan.stored += b - a - k
+            stored_at.update(range(a + k, b))
         cursor = b
     computed_pos += range(cursor, n)
+    assembled = torch.cat(parts, dim=3)
+    if plan.blend > 0:  # recompute the piece tokens whose KV deviates most (CacheBlend), not only first-k
+        chosen = blend_select(model, list(prompt_ids), assembled, cached_pos,
+                              list(range(len(head), len(cached_pos))), plan.blend)
+        if chosen:
+            keep = torch.ones(len(cached_pos), dtype=torch.bool)
+            keep[chosen] = False
+            assembled = assembled[:, :, :, keep.to(assembled.device)]
+            moved = [cached_pos[i] for i in chosen]
+            cached_pos = [p for p, k in zip(cached_pos, keep.tolist()) if k]
+            computed_pos = sorted(computed_pos + moved)
+            plan.blended += len(moved)
+            plan.reused -= sum(1 for p in moved if p not in stored_at)
+            plan.stored -= sum(1 for p in moved if p in stored_at)
     plan.computed += len(computed_pos)
     cache = _new_cache(model)
-    append(cache, torch.cat(parts, dim=3))
+    append(cache, assembled)
     if on_progress is not None:
         on_progress(len(cached_pos), n)
     lo = torch.finfo(cache.layers[0].keys.dtype).min
