@@ -122,6 +122,8 @@ class Pipeline:
                 from ragspec.models.machine import resolve
 
                 g, method = self.spec.generator, self.spec.drafting.method
+                if g.backend == "auto" and self.source_cache_on():  # only transformers assembles cached sources
+                    g = g.model_copy(update={"backend": "transformers"})
                 self.choice = resolve(g, self.device, self.expected_prompt_tokens(), self.expected_answer_tokens(),
                                       method, progress=progress)
                 from ragspec.models.machine import needs_transformers
