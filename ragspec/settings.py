@@ -188,7 +188,7 @@ class GeneratorSettings(Strict):
     stop: list[str] = Field(default_factory=list, description="stop strings (never part of the answer)")
     source_cache: Literal["off", "on", "auto"] = Field(
         "auto", description="reuse each source piece's KV across asks, re-positioned (docs/decoding.md, \"The source "
-        "cache\"); transformers only (llama.cpp: full prefill). auto: on where measured to hold answer quality for the "
+        "cache\"); both backends. auto: on where measured to hold answer quality for the "
         "generator (registry), else off")
     source_cache_recompute: int = Field(
         4, ge=0, description="source cache: the first tokens of each piece computed in full over what precedes it (EPIC)")

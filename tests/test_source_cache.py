@@ -229,21 +229,77 @@ def test_prefill_falls_back_with_a_reason_for_pld_plus(smol):
     assert "PLD+" in plan.fallback and plan.reused == 0
 
 
-def test_llama_cpp_prefills_in_full_and_says_why(tmp_path):
+@pytest.fixture(scope="module")
+def llama_smol():
     from ragspec.decoding.backends.llama_cpp import available
 
     why = available()
     if why:
         pytest.skip(why)
+    from ragspec.models.generator import shared_generator
+
+    return shared_generator("smollm2-135m-instruct", "cpu", "gguf", "llama.cpp")
+
+
+def test_llama_cpp_assembles_from_the_store(llama_smol, smol):
+    """llama.cpp: entries are sequence states, shifted by llama_memory_seq_add; a warm ask reuses them, and
+    greedy decoding over the assembled cache is llama.cpp's own greedy continued from it."""
+    import numpy as np
+
+    from ragspec.decoding.backends import source_kv_llama
+    from ragspec.decoding.backends.llama_cpp import LlamaCppBackend
+    from ragspec.decoding.drafters import make_drafter
+    from ragspec.decoding.generate import SpeculativeGenerator
+
+    m, tok = llama_smol
+    b = built_prompt(smol[1])
+    store = SourceKVStore()
+    cold = SourcePlan(store, b.head, b.pieces)
+    first = source_kv_llama.assemble(m, b.ids, cold)
+    assert cold.misses == 4 and cold.reused == 0 and cold.stored + cold.computed == len(b.ids)
+    warm = SourcePlan(store, b.head, b.pieces)
+    again = source_kv_llama.assemble(m, b.ids, warm)
+    assert warm.hits == 4 and warm.reused == b.head + sum(e - a - 4 for a, e in b.pieces)
+    assert np.array_equal(first, again)
+    # every token recomputed: llama.cpp's full prefill (same micro-batches: the head, then the rest)
+    whole = source_kv_llama.assemble(m, b.ids, SourcePlan(store, b.head, b.pieces, recompute=10_000))
+    m.clear()
+    m.feed(b.ids, 0, last_logits=True)
+    full = m.row((len(b.ids) - 1) % m.n_batch).copy()
+    assert int(np.argmax(whole)) == int(np.argmax(full)) and np.abs(whole - full).max() < 0.05
+    # greedy over the assembled cache: the loop (with drafts) equals one token per decode
+    gen = SpeculativeGenerator(m, tok, make_drafter("suffix", m, tok), max_new_tokens=30)
+    plan = SourcePlan(store, b.head, b.pieces)
+    list(gen.stream(b.ids, b.segments, sources=plan))
+    assert plan.hits == 4 and not plan.fallback
+    ref, logits, pos = [], source_kv_llama.assemble(m, b.ids, SourcePlan(store, b.head, b.pieces)), len(b.ids)
+    while len(ref) < 30:
+        t = int(np.argmax(logits))
+        ref.append(t)
+        if t in gen.eos:
+            break
+        m.decode([(t, pos, [0], True)])
+        logits, pos = m.row(0), pos + 1
+    assert gen.tokens == ref
+    assert isinstance(LlamaCppBackend(m).prefill(b.ids, sources=SourcePlan(store, b.head, b.pieces)), float)
+
+
+def test_llama_cpp_pipeline_reports_reuse(llama_smol, monkeypatch, tmp_path):
+    monkeypatch.setenv("RAGSPEC_HOME", str(tmp_path))
     from ragspec.pipeline import Pipeline
 
     pipe = Pipeline({"generator": {"model": "smollm2-135m-instruct", "backend": "llama.cpp", "max_new_tokens": 12,
-                                   "source_cache": "on"}, "prompt": {"relevance_floor": "off"}})
+                                   "source_cache": "on", "source_cache_blend": 0.2},
+                     "prompt": {"relevance_floor": "off"}})
     docs = list(PARAGRAPHS.values())
-    on = pipe.ask("Where does the Danube rise?", documents=docs)
-    off = pipe.ask("Where does the Danube rise?", documents=docs, source_cache="off")
-    assert "llama.cpp" in on.stats.cache_note and on.stats.cache_reused_tokens == 0
-    assert on.text == off.text
+    first = pipe.ask("Where does the Danube rise?", documents=docs)
+    again = pipe.ask("Where does the Danube rise?", documents=docs)
+    assert first.stats.cache_reused_tokens == 0 and again.stats.cache_reused_tokens > 0.5 * again.stats.prompt_tokens
+    assert again.text == first.text and "CacheBlend" in again.stats.cache_note
+    fresh = ["Tea is grown on hillsides in Assam and Darjeeling.", "Coffee cherries are picked by hand."]
+    assert pipe.fill_source_cache(fresh) == 2
+    filled = pipe.ask("Where is tea grown?", documents=fresh)
+    assert filled.stats.cache_stored_tokens == 0 and filled.stats.cache_reused_tokens > 0
 
 
 def test_pipeline_reuses_sources_across_asks(monkeypatch, tmp_path):

@@ -91,8 +91,6 @@ class SpeculativeGenerator:
                                 predictions=bool(getattr(self.drafter, "wants_predictions", False)))
         if not getattr(verifier, "supports_prefix", True):
             prefix = None  # a prefix store holds transformers caches
-        if sources is not None and getattr(verifier, "source_cache_unsupported", ""):
-            sources.fallback, sources = verifier.source_cache_unsupported, None
         try:
             yield from self._loop(verifier, prompt_ids, segments, stats, heads, prefix, cancel, on_progress, sources)
             if prefix is not None:

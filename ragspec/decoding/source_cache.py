@@ -56,6 +56,7 @@ class SourcePlan:
     hits: int = 0  # pieces (the head included) found in the store
     misses: int = 0  # pieces computed for the store by this ask
     fallback: str = ""  # why the prompt was prefilled in full instead (one line), "" when assembled
+    note: str = ""  # what of the plan was not applied though it was assembled (one line)
 
 
 @dataclass

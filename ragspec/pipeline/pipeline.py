@@ -122,8 +122,6 @@ class Pipeline:
                 from ragspec.models.machine import resolve
 
                 g, method = self.spec.generator, self.spec.drafting.method
-                if g.backend == "auto" and self.source_cache_on():  # only transformers assembles cached sources
-                    g = g.model_copy(update={"backend": "transformers"})
                 self.choice = resolve(g, self.device, self.expected_prompt_tokens(), self.expected_answer_tokens(),
                                       method, progress=progress)
                 from ragspec.models.machine import needs_transformers
@@ -343,12 +341,11 @@ class Pipeline:
         whole source under the head an ask past the relevance gate has. Returns the entries computed (those
         already stored are skipped). A merged or budget-cut source is a new piece, filled by the ask that sends
         it. `on_progress(done, total)` after each text."""
-        from ragspec.decoding.backends.source_kv import fill, unsupported
-
         self.load()
-        if self.choice is not None and self.choice.backend != "transformers":
-            raise RagspecError(f"the source cache needs the transformers backend; this pipeline runs "
-                               f"{self.choice.backend} (set generator.backend: transformers)")
+        if self.choice is not None and self.choice.backend == "llama.cpp":
+            from ragspec.decoding.backends.source_kv_llama import fill, unsupported
+        else:
+            from ragspec.decoding.backends.source_kv import fill, unsupported
         why = unsupported(self.model)
         if why:
             raise RagspecError(f"the source cache cannot move this model's keys: {why}")
@@ -363,7 +360,7 @@ class Pipeline:
                 head = built.ids[: built.head]
                 with self._gen_lock:
                     made += fill(self.model, self.source_store, head, [built.ids[a:b] for a, b in built.pieces],
-                                 cancel)
+                                 cancel, self.spec.generator.source_cache_recompute)
             if on_progress is not None:
                 on_progress(i + 1, len(texts))
         return made
@@ -549,7 +546,7 @@ class Pipeline:
             source_tokens=sum(1 for n in built.token_source if n),
             cache_reused_tokens=plan.reused if plan else 0, cache_stored_tokens=plan.stored if plan else 0,
             cache_computed_tokens=plan.computed if plan else 0,
-            cache_note=plan.fallback if plan else "",
+            cache_note=(plan.fallback or plan.note) if plan else "",
         )
         text = "".join(parts)
         answer = Answer(question, text, list(matcher.citations) if matcher else [], built.sources, stats,

@@ -233,10 +233,10 @@ class LlamaCppBackend:
         self.cached = 0
         self.root = 0
         self._root_logits = None  # set by prefill: the root is cached and these are its logits
-        # llama.cpp has what it needs (llama_state_seq_get/set_data, llama_memory_seq_add): not built here yet
-        self.source_cache_unsupported = "the llama.cpp backend does not assemble cached sources yet: full prefill"
 
-    def prefill(self, prompt_ids: list[int], prefix=None, on_progress=None, cancel=None) -> float:
+    def prefill(self, prompt_ids: list[int], prefix=None, on_progress=None, cancel=None, sources=None) -> float:
+        """`sources`: a `source_cache.SourcePlan`: the prompt assembled from cached source pieces
+        (source_kv_llama.py) unless this context cannot shift positions (the plan's `fallback` says why)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) + self.model.n_batch > self.model.n_ctx:
@@ -244,6 +244,17 @@ class LlamaCppBackend:
                                f"({self.model.n_ctx} tokens, {self.model.n_batch} kept for the draft tree)")
         t = time.perf_counter()
         m = self.model
+        if sources is not None:
+            from ragspec.decoding.backends import source_kv_llama
+
+            sources.fallback = source_kv_llama.unsupported(m)
+            if not sources.fallback:
+                if sources.blend > 0:
+                    sources.note = "CacheBlend needs layer 1's keys, which llama.cpp does not expose: first-k only"
+                self._root_logits = source_kv_llama.assemble(m, list(prompt_ids), sources, cancel, on_progress)
+                self.cached = len(prompt_ids) - 1
+                self.root = int(prompt_ids[-1])
+                return (time.perf_counter() - t) * 1000
         m.clear()
         # the whole prompt, as llama.cpp's own greedy reads it: the last token's logits come from the same
         # big-batch kernels, and the first step runs only the tree (the root is cached already)

@@ -289,8 +289,9 @@ def assemble(model, prompt_ids: list[int], plan: SourcePlan, cancel=None, on_pro
     return cache, logits
 
 
-def fill(model, store, head: list[int], pieces: list[list[int]], cancel=None) -> int:
-    """Compute the pieces missing from the store (ahead of asks); returns how many were computed."""
+def fill(model, store, head: list[int], pieces: list[list[int]], cancel=None, k: int = 4) -> int:
+    """Compute the pieces missing from the store (ahead of asks); returns how many were computed. An entry
+    here serves every first-`k` recompute (the llama.cpp one is per k)."""
     head_kv, _ = head_entry(model, store, head, cancel)
     made = 0
     with torch.inference_mode():
