@@ -19,23 +19,10 @@ import json
 import statistics
 import tempfile
 
+from source_stats import QUESTIONS  # the quickstart questions (examples/ is on the path when run as a script)
+
 from ragspec.decoding.source_cache import SourceKVStore
 from ragspec.pipeline import Pipeline
-
-QUESTIONS = [
-    "What does the global statement do?",
-    "What does the nonlocal statement do?",
-    "How does a with statement call __enter__ and __exit__?",
-    "What happens when an exception is raised in a finally clause?",
-    "How are default parameter values evaluated?",
-    "What is the difference between a list and a tuple?",
-    "How does the import statement find a module?",
-    "What does the yield expression return?",
-    "How are names resolved in class bodies?",
-    "What does the assert statement do when optimization is requested?",
-    "How does augmented assignment like x += 1 work?",
-    "What is name mangling of private names?",
-]
 
 
 def ask(pipe, q, mode, max_new, budget):
