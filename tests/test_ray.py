@@ -220,3 +220,22 @@ def test_two_serve_replicas_answer_8_clients_as_one_replica_does(local_ray, tmp_
         serving.stop()
     assert two["errors"] == 0, two["error_samples"]
     assert two["completed"] == two["identical"] == 16
+
+
+def test_source_cache_filled_on_ray_actors(local_ray, tmp_path, monkeypatch):
+    """`--kv-cache --executor ray`: entries computed on an actor are written to this machine's store, and an ask
+    here reuses them as it would its own."""
+    monkeypatch.setenv("RAGSPEC_HOME", str(tmp_path))
+    from ragspec.cluster.kv_fill import fill_on_ray
+    from ragspec.pipeline import Pipeline
+
+    spec = {"generator": {"model": "smollm2-135m-instruct", "max_new_tokens": 8, "source_cache": "on"},
+            "prompt": {"relevance_floor": "off"}}
+    texts = ["Tea is grown on hillsides in Assam and Darjeeling.", "Coffee cherries are picked by hand."]
+    pipe = Pipeline(spec)
+    made = fill_on_ray(pipe.spec.model_dump(), None, texts, pipe.source_store, actors=1)
+    assert made == 3  # the head and two pieces
+    assert len(list((tmp_path / "kv").glob("*.kv"))) == 3
+    assert fill_on_ray(pipe.spec.model_dump(), None, texts, pipe.source_store, actors=1) == 0  # all held
+    a = pipe.ask("Where is tea grown?", documents=texts)
+    assert a.stats.cache_stored_tokens == 0 and a.stats.cache_reused_tokens > 0

@@ -66,7 +66,7 @@ def index(
                 f"({s.seconds:.1f} s)"
             )
             if kv_cache:
-                _fill_source_cache(target, spec)
+                _fill_source_cache(target, spec, executor, address, embed_actors)
             return
         console.print(
             f"[green]indexed[/] {target}: {s.documents} documents from {s.files} files "
@@ -76,13 +76,15 @@ def index(
             + f"; FAISS {s.factory} ({s.index_type}); {human_bytes(s.bytes)} on disk"
         )
         if kv_cache:
-            _fill_source_cache(target, spec)
+            _fill_source_cache(target, spec, executor, address, embed_actors)
 
     run(body)
 
 
-def _fill_source_cache(target: Path, spec: Path | None) -> None:
-    """Every chunk's KV for the pipeline's generator, into the source cache ($RAGSPEC_HOME/kv), with a bar."""
+def _fill_source_cache(target: Path, spec: Path | None, executor: str = "local", address: str | None = None,
+                       actors: int = 1) -> None:
+    """Every chunk's KV for the pipeline's generator, into the source cache ($RAGSPEC_HOME/kv), with a bar;
+    with --executor ray, computed on Ray actors (one generator each) and written here."""
     import time
 
     from ragspec.console import progress
@@ -90,12 +92,28 @@ def _fill_source_cache(target: Path, spec: Path | None) -> None:
     from ragspec.spec import load_spec
 
     pipe = Pipeline(load_spec(spec) if spec else None, str(target))
-    with console.status("loading the model…"):
-        pipe.load()
     t = time.perf_counter()
     with progress() as bar:
         task = bar.add_task("source cache", total=None)
-        made = pipe.fill_source_cache(on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+        tick = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
+        if executor == "ray":
+            from ragspec.cluster.kv_fill import fill_on_ray
+            from ragspec.index.store import Store
+
+            if pipe.store_directory() is None:
+                raise RagspecError("--kv-cache with --executor ray writes the disk store: set "
+                                   "generator.source_cache_disk_mb above 0")
+            store = Store(target / "store.sqlite")
+            try:
+                texts = store.all_chunk_texts()
+            finally:
+                store.close()
+            made = fill_on_ray(pipe.spec.model_dump(), str(target), texts, pipe.source_store, address, actors,
+                               on_progress=tick)
+        else:
+            with console.status("loading the model…"):
+                pipe.load()
+            made = pipe.fill_source_cache(on_progress=tick)
     store = pipe.source_store
     console.print(f"[green]source cache[/] {made} pieces computed in {time.perf_counter() - t:.1f} s for "
                   f"{pipe.spec.generator.model}; {human_bytes(store.disk_used)} in {store.directory}")

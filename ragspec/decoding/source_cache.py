@@ -151,7 +151,9 @@ class SourceKVStore:
         self._remember(key, value, nbytes)
         if self.directory is None or dump is None or self.disk_bytes <= 0:
             return
-        payload = dump(value)
+        self._write(key, dump(value))
+
+    def _write(self, key: str, payload: bytes) -> None:
         size = len(MAGIC) + _HEADER.size + len(payload)
         if size > self.disk_bytes:
             return
@@ -170,6 +172,17 @@ class SourceKVStore:
                 self.stats.evicted += 1
         for k in victims:
             self._unlink(k)
+
+    def put_payload(self, key: str, payload: bytes) -> None:
+        """Write an entry computed elsewhere (a Ray actor's `dump` output) to disk; memory takes it on first use."""
+        if self.directory is None:
+            raise ValueError("this store keeps no disk entries")
+        self._write(key, payload)
+
+    def keys(self) -> set[str]:
+        """Every key held, in memory or on disk."""
+        with self._lock:
+            return set(self._memory) | set(self._disk)
 
     def clear(self) -> None:
         """Forget every entry, in memory and on disk."""

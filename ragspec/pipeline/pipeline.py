@@ -311,18 +311,23 @@ class Pipeline:
             return bool(entry.extra.get("source_cache")) if entry else False
         return value == "on"
 
+    def store_directory(self):
+        """Where the source cache keeps entries on disk (None: memory only)."""
+        from ragspec.paths import ragspec_home
+
+        return ragspec_home() / "kv" if self.spec.generator.source_cache_disk_mb > 0 else None
+
     @property
     def source_store(self):
         """The pipeline's source cache (one per pipeline: the server shares it across requests)."""
         with self._load_lock:
             if self._source_store is None:
                 from ragspec.decoding.source_cache import SourceKVStore
-                from ragspec.paths import ragspec_home
 
                 g = self.spec.generator
                 self._source_store = SourceKVStore(
                     memory_bytes=g.source_cache_memory_mb << 20,
-                    directory=ragspec_home() / "kv" if g.source_cache_disk_mb > 0 else None,
+                    directory=self.store_directory(),
                     disk_bytes=g.source_cache_disk_mb << 20)
             return self._source_store
 

@@ -44,23 +44,28 @@ def unsupported(model) -> str:
 
 
 def model_key(model) -> str:
-    """Names what a KV depends on: architecture, weights (a fingerprint of a few tensors), dtype, device kind and
-    kernels. Kept on the model after the first call."""
+    """Names what a KV depends on: architecture, the model folder's name (ragspec's converted folders carry the
+    GGUF's hash), weights (a fingerprint of the embeddings and the norms, which no kernel repacks), dtype, device
+    kind and int8 weights. Packed float kernels and attention kernels change
+    only rounding, so entries are shared across them (and across processes that chose them differently).
+    Kept on the model after the first call."""
     cached = getattr(model, "_ragspec_kv_key", None)
     if cached:
         return cached
     cfg = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else str(model.config)
-    h = hashlib.sha256(cfg.encode())
-    params = [p for p in model.parameters() if p.layout == torch.strided]  # packed kernels hold opaque weights
-    for p in (params[0], params[len(params) // 2], params[-1]):  # embeddings, a middle layer, the last norm/head
-        flat = p.detach().reshape(-1)
-        h.update(flat[:4096].float().cpu().numpy().tobytes())
-        h.update(str(tuple(p.shape)).encode())
+    cfg = json.loads(cfg) if cfg.lstrip().startswith("{") else {"config": cfg}
+    cfg.pop("_attn_implementation_autoset", None)
+    cfg.pop("_attn_implementation", None)
+    folder = str(getattr(model, "name_or_path", "") or cfg.pop("_name_or_path", "")).rstrip("/").split("/")[-1]
+    cfg.pop("_name_or_path", None)
+    h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode() + folder.encode())
+    for name, p in model.named_parameters():
+        if p.layout == torch.strided and ("embed" in name or "norm" in name):
+            h.update(name.encode())
+            h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
     dev = next(model.parameters()).device.type
     dtype = str(next(model.parameters()).dtype).split(".")[-1]
-    kernels = {"packed": bool(getattr(model, "ragspec_packed_linears", 0)), "int8": getattr(model, "ragspec_int8", ""),
-               "attn": getattr(model.config, "_attn_implementation", None)}
-    key = f"transformers|{h.hexdigest()[:24]}|{dev}|{dtype}|{json.dumps(kernels, sort_keys=True)}"
+    key = f"transformers|{h.hexdigest()[:24]}|{dev}|{dtype}|int8={getattr(model, 'ragspec_int8', '')}"
     try:
         model._ragspec_kv_key = key
     except AttributeError:
