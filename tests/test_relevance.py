@@ -150,7 +150,7 @@ def test_an_unsure_score_offers_the_model_to_decline(smol, gated):
     unsure = Pipeline(spec, model=model, tokenizer=tok)
     docs = [BREAD, RIVERS]
     a, b = unsure.ask(QUESTION, documents=docs), gated.ask(QUESTION, documents=docs)
-    assert FLOOR <= a.stats.relevance < 0.99 and a.stats.relevance == b.stats.relevance
+    assert FLOOR <= a.stats.relevance < 0.99 and a.stats.relevance == pytest.approx(b.stats.relevance, abs=1e-6)  # remembered window embeddings: batch rounding
     sources = as_sources(docs)
     offered = unsure.prompt_builder(12).build(QUESTION, sources).ids
     plain = unsure.prompt_builder(12, NO_DECLINE).build(QUESTION, sources).ids
