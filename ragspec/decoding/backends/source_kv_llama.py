@@ -81,29 +81,42 @@ def _identity(payload: bytes) -> bytes:
     return payload
 
 
+def _head_payload(m, store, mkey: str, head: list[int], cancel=None) -> tuple[bytes, bool]:
+    """The head's state (sequence 0 holds it afterwards) and whether it came from the store."""
+    key = entry_key(mkey, head, [])
+    m.clear()
+    payload = store.get(key, _identity)
+    if payload is not None and _set(m, 0, payload):
+        return payload, True
+    m.clear()
+    _feed(m, head, list(range(len(head))), 0, cancel=cancel)
+    payload = _get(m, 0)
+    store.put(key, payload, len(payload), _identity)
+    return payload, False
+
+
 def assemble(m, prompt_ids: list[int], plan: SourcePlan, cancel=None, on_progress=None):
     """Sequence 0 holds the whole prompt: the head and pieces from the store (computed into it where missing),
-    re-positioned; the computed tokens decoded last. Returns the last token's logits (a copy)."""
+    re-positioned; the computed tokens decoded last. Returns the last token's logits (a copy).
+
+    Missing entries are computed first; the prompt is then assembled from an empty cache the same way whether
+    its entries were found or just computed, so a cold ask and a warm one lay out identical cells (llama.cpp
+    sums attention in cell order: another layout changes the rounding, and a near-tie can flip a token)."""
     lc, mem = m.lc, m.mem
     n = len(prompt_ids)
     head = list(prompt_ids[: plan.head])
+    H = len(head)
     mkey = model_key(m)
     store = plan.store
-    m.clear()
-    key = entry_key(mkey, head, [])
-    payload = store.get(key, _identity)
-    if payload is None or not _set(m, 0, payload):
-        m.clear()
-        _feed(m, head, list(range(len(head))), 0, cancel=cancel)
-        payload = _get(m, 0)
-        store.put(key, payload, len(payload), _identity)
-        plan.misses += 1
-        plan.stored += len(head)
+    head_state, hit = _head_payload(m, store, mkey, head, cancel)
+    plan.hits += hit
+    plan.misses += not hit
+    if hit:
+        plan.reused += H
     else:
-        plan.hits += 1
-        plan.reused += len(head)
-    computed, cursor, H = [], len(head), len(head)
+        plan.stored += H
     k = max(0, plan.recompute)
+    parts, cursor = [], H  # (start, end, payload, found in the store)
     for a, b in plan.pieces:
         b = min(b, n - 1)
         if a < cursor or b - a <= k:
@@ -113,21 +126,28 @@ def assemble(m, prompt_ids: list[int], plan: SourcePlan, cancel=None, on_progres
         # right after the gap's, so sequence 0's cells stay in position order as after a plain prefill
         key = entry_key(f"{mkey}|from{k}", head, piece)
         payload = store.get(key, _identity)
-        hit = payload is not None
-        if not hit:  # computed behind the head alone, in the scratch sequence
+        found = payload is not None
+        if not found:  # computed behind the head alone, in the scratch sequence
             payload = _compute(m, head, piece, k, cancel)
             store.put(key, payload, len(payload), _identity)
-        plan.hits += hit
-        plan.misses += not hit
+        parts.append((a, b, payload, found))
+        cursor = b
+    m.clear()
+    if not _set(m, 0, head_state):
+        raise RagspecError("llama.cpp could not restore the prompt head")
+    computed, cursor = [], H
+    for a, b, payload, found in parts:
+        plan.hits += found
+        plan.misses += not found
         gap = list(range(cursor, a + k))
         _feed(m, [prompt_ids[p] for p in gap], gap, 0, cancel=cancel)
         if not _set(m, SCRATCH, payload):
             raise RagspecError("llama.cpp could not restore a cached source piece")
-        lc.llama_memory_seq_add(mem, SCRATCH, H + k, H + len(piece), a - H)
+        lc.llama_memory_seq_add(mem, SCRATCH, H + k, H + (b - a), a - H)
         lc.llama_memory_seq_cp(mem, SCRATCH, 0, -1, -1)
         lc.llama_memory_seq_rm(mem, SCRATCH, -1, -1)
         computed += gap
-        if hit:
+        if found:
             plan.reused += b - a - k
         else:
             plan.stored += b - a - k
@@ -145,15 +165,8 @@ def assemble(m, prompt_ids: list[int], plan: SourcePlan, cancel=None, on_progres
 def fill(m, store, head: list[int], pieces: list[list[int]], cancel=None, k: int = 4) -> int:
     """Compute the pieces missing from the store (ahead of asks) for a first-`k` recompute; returns how many
     were computed."""
-    mkey, H = model_key(m), len(head)
-    m.clear()
-    key = entry_key(mkey, head, [])
-    payload = store.get(key, _identity)
-    if payload is None or not _set(m, 0, payload):
-        m.clear()
-        _feed(m, head, list(range(H)), 0, cancel=cancel)
-        payload = _get(m, 0)
-        store.put(key, payload, len(payload), _identity)
+    mkey = model_key(m)
+    _head_payload(m, store, mkey, head, cancel)
     made = 0
     for piece in pieces:
         key = entry_key(f"{mkey}|from{k}", head, piece)
