@@ -306,3 +306,41 @@ def eval_answers(
             f"speed-up {f(r['speedup'], '{:.2f}×')}", soft_wrap=True, highlight=False)
 
     run(body)
+
+
+def eval_compare(
+    before: Path = typer.Argument(..., help="an `eval-answers --json` file (the baseline, e.g. --source-tokens off)"),
+    after: Path = typer.Argument(..., help="another over the same records (the setting under test)"),
+    as_json: bool = typer.Option(False, "--json", help="print the comparison as JSON"),
+):
+    """Two eval-answers runs over the same records, paired: each metric's means ± standard error, and the
+    difference after − before ± its standard error (docs/evaluation.md, *Comparing two runs*)."""
+
+    def body():
+        from dataclasses import asdict
+
+        from ragspec.eval.compare import paired, read_rows
+
+        meta_a, rows_a = read_rows(before)
+        meta_b, rows_b = read_rows(after)
+        result = paired(rows_a, rows_b)
+        if as_json:
+            sys.stdout.write(json.dumps({"before": str(before), "after": str(after),
+                                         "metrics": [asdict(p) for p in result]}, indent=2) + "\n")
+            return
+        from rich.table import Table
+
+        def setting(m):
+            return (f"source budget {m.get('source_tokens') or 'off'}, source cache "
+                    f"{'on' if m.get('source_cache') else 'off'}, {m.get('model')}")
+
+        t = Table(title=f"{before.name} ({setting(meta_a)})  →  {after.name} ({setting(meta_b)})",
+                  title_justify="left")
+        for col in ("metric", "pairs", "before", "after", "after − before", "within 1 SE"):
+            t.add_column(col, justify="left" if col == "metric" else "right", no_wrap=col == "metric")
+        for p in result:
+            t.add_row(p.metric, str(p.n), f"{p.mean_a:.3f} ± {p.se_a:.3f}", f"{p.mean_b:.3f} ± {p.se_b:.3f}",
+                      f"{p.diff:+.3f} ± {p.se_diff:.3f}", "yes" if p.within_one_se() else "no")
+        console.print(t)
+
+    run(body)
