@@ -60,3 +60,14 @@ def test_the_command_prints_the_paired_table_and_json(tmp_path):
     r = CliRunner().invoke(app, ["eval-compare", str(tmp_path / "bad.json"), str(tmp_path / "256.json")])
     assert r.exit_code == 2 and "not an eval-answers --json file" in r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+def test_runs_over_record_ranges_join_with_commas(tmp_path):
+    for name, rows in (("a1", range(0, 5)), ("a2", range(5, 10)), ("b", range(10))):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"rows": [_row(i, True, i < 3) for i in rows]}))
+    joined = f"{tmp_path / 'a1.json'},{tmp_path / 'a2.json'}"
+    r = CliRunner().invoke(app, ["eval-compare", joined, str(tmp_path / "b.json"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert next(m for m in json.loads(r.output)["metrics"] if m["metric"] == "answer contains")["n"] == 10
+    r = CliRunner().invoke(app, ["eval-compare", f"{joined},{tmp_path / 'a1.json'}", str(tmp_path / "b.json")])
+    assert r.exit_code == 2 and "in two of the files joined" in r.output

@@ -309,8 +309,9 @@ def eval_answers(
 
 
 def eval_compare(
-    before: Path = typer.Argument(..., help="an `eval-answers --json` file (the baseline, e.g. --source-tokens off)"),
-    after: Path = typer.Argument(..., help="another over the same records (the setting under test)"),
+    before: str = typer.Argument(..., help="an `eval-answers --json` file (the baseline, e.g. --source-tokens "
+                                 "off); several joined with commas are one run (records 1-100,101-200)"),
+    after: str = typer.Argument(..., help="the same over the same records (the setting under test)"),
     as_json: bool = typer.Option(False, "--json", help="print the comparison as JSON"),
 ):
     """Two eval-answers runs over the same records, paired: each metric's means ± standard error, and the
@@ -319,13 +320,13 @@ def eval_compare(
     def body():
         from dataclasses import asdict
 
-        from ragspec.eval.compare import paired, read_rows
+        from ragspec.eval.compare import paired, read_runs
 
-        meta_a, rows_a = read_rows(before)
-        meta_b, rows_b = read_rows(after)
+        meta_a, rows_a = read_runs(before)
+        meta_b, rows_b = read_runs(after)
         result = paired(rows_a, rows_b)
         if as_json:
-            sys.stdout.write(json.dumps({"before": str(before), "after": str(after),
+            sys.stdout.write(json.dumps({"before": before, "after": after,
                                          "metrics": [asdict(p) for p in result]}, indent=2) + "\n")
             return
         from rich.table import Table
@@ -334,9 +335,9 @@ def eval_compare(
             return (f"source budget {m.get('source_tokens') or 'off'}, source cache "
                     f"{'on' if m.get('source_cache') else 'off'}, {m.get('model')}")
 
-        t = Table(title=f"{before.name} ({setting(meta_a)})  →  {after.name} ({setting(meta_b)})",
+        t = Table(title=f"{before} ({setting(meta_a)})  →  {after} ({setting(meta_b)})",
                   title_justify="left")
-        for col in ("metric", "pairs", "before", "after", "after − before", "within 1 SE"):
+        for col in ("metric", "pairs", "before", "after", "after − before", "|Δ| ≤ 1 SE"):
             t.add_column(col, justify="left" if col == "metric" else "right", no_wrap=col == "metric")
         for p in result:
             t.add_row(p.metric, str(p.n), f"{p.mean_a:.3f} ± {p.se_a:.3f}", f"{p.mean_b:.3f} ± {p.se_b:.3f}",

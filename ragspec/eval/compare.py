@@ -98,3 +98,21 @@ def read_rows(path: str | Path) -> tuple[dict, list[dict]]:
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise RagspecError(f"{path}: not an eval-answers --json file (no rows)")
     return {k: v for k, v in data.items() if k != "rows"}, data["rows"]
+
+
+def read_runs(paths: str) -> tuple[dict, list[dict]]:
+    """One run from one file or several joined with commas (record ranges run apart): the first file's summary,
+    every file's rows. A record in two of them is one line of error (the ranges overlap)."""
+    meta, rows, seen = None, [], set()
+    for path in [p.strip() for p in paths.split(",") if p.strip()]:
+        m, r = read_rows(path)
+        meta = meta or m
+        for row in r:
+            key = _key(row)
+            if key in seen:
+                raise RagspecError(f"{path}: record {row['id']} is in two of the files joined ({paths})")
+            seen.add(key)
+            rows.append(row)
+    if meta is None:
+        raise RagspecError("name an eval-answers --json file")
+    return meta, rows
