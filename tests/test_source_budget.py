@@ -137,6 +137,19 @@ def test_citations_of_a_cut_source_slice_the_document_and_never_cross_a_gap():
     assert all(document[ci.start:ci.end] == ci.quote for ci in m.finish())
 
 
+def test_auto_takes_the_budget_measured_for_the_generator():
+    """`auto` (the default) is the registry's measured budget: 256 for the default 0.5B, none (whole sources) for
+    a generator nobody measured; `off` and a number override it."""
+    from ragspec.pipeline import Pipeline
+
+    qwen = {"model": "qwen2.5-coder-0.5b-instruct"}
+    assert Pipeline({"generator": qwen}).source_budget == 256
+    assert Pipeline({"generator": qwen, "prompt": {"source_tokens": "off"}}).source_budget is None
+    assert Pipeline({"generator": qwen, "prompt": {"source_tokens": 512}}).source_budget == 512
+    assert Pipeline({"generator": {"model": SMOL}}).source_budget is None
+    assert Pipeline({"generator": {"model": "qwen2.5-coder-1.5b-instruct"}}).source_budget is None
+
+
 def test_bad_values_are_one_clear_line():
     from ragspec.spec import load_spec
 

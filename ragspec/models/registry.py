@@ -69,8 +69,10 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
             note="Q4_K_M GGUF in 6 parts; the default generator",
             # the relevance gate measured for this generator, per embedder: (floor, doubt), chosen on CLAP NQ
-            # 151-300 and NQ-open 201-400 (docs/evaluation.md, *Declining*; pipeline/relevance.py)
-            extra={"relevance_band": {"all-minilm-l6-v2": (0.49, 0.58)}},
+            # 151-300 and NQ-open 201-400 (docs/evaluation.md, *Declining*; pipeline/relevance.py); the source
+            # budget that halves the quickstart prompts with answers within one standard error of whole sources
+            # (docs/evaluation.md, *The source budget, measured*)
+            extra={"relevance_band": {"all-minilm-l6-v2": (0.49, 0.58)}, "source_tokens": 256},
         ),
         EmbeddedModel(
             name="qwen2.5-coder-1.5b-instruct",
