@@ -43,7 +43,7 @@ class Paired:
     se_diff: float
 
     def within_one_se(self) -> bool:
-        return abs(self.diff) <= self.se_diff or self.diff == 0
+        return abs(self.diff) <= self.se_diff
 
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
