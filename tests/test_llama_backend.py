@@ -307,3 +307,20 @@ def test_prefill_reports_progress_per_batch_and_stops_on_cancel(llama):
     assert seen == [model.n_batch]
     b.prefill(prompt[:20])  # the model is usable again at once
     assert b.cached == 19
+
+
+def test_bench_row_gap_separates_kernel_gaps_from_bugs(llama, cases):
+    """`bench` calls a divergence `kernel` only where llama.cpp's one-row and two-row decodes of that row differ
+    by at least the margin: under 256 cached tokens they are bit-identical (gap 0), so a wrong token there stays
+    a `bug`; a long context opens the gap (llama.cpp's single-row attention path)."""
+    from ragspec.bench.decoding import llama_row_gap, verdict
+
+    model, tok = llama
+    prompt, out = cases[0]
+    assert len(prompt) + 8 < 256
+    assert llama_row_gap(model, prompt, []) == 0.0  # the first token: both read it from the prefill
+    assert llama_row_gap(model, prompt, out[:8]) == 0.0
+    long = (prompt * (400 // len(prompt) + 1))[:400]
+    assert llama_row_gap(model, long, out[:8]) > 0
+    assert verdict(0.5, 0.0) == "bug" and verdict(0.05, 0.3) == "kernel" and verdict(5e-5, 0.0) == "tie"
+    assert verdict(5e-4, None) == "unclear" and verdict(0.3, None) == "bug"
