@@ -315,7 +315,7 @@ def test_bench_row_gap_separates_kernel_gaps_from_bugs(llama, cases):
     a `bug`; a long context opens the gap (llama.cpp's single-row attention path)."""
     from ragspec.bench.decoding import llama_row_gap, verdict
 
-    model, tok = llama
+    model, _tok = llama
     prompt, out = cases[0]
     assert len(prompt) + 8 < 256
     assert llama_row_gap(model, prompt, []) == 0.0  # the first token: both read it from the prefill

@@ -193,8 +193,9 @@ def load_module():
 
 
 @pytest.mark.slow
-def test_two_serve_replicas_answer_8_clients_as_one_replica_does(local_ray, tmp_path, embedder):
-    """Ray Serve replicas of `ragspec serve` behind its proxy: the same OpenAI API, the same answers."""
+def test_two_serve_replicas_answer_8_clients_as_each_question_alone(local_ray, tmp_path, embedder):
+    """Ray Serve replicas of `ragspec serve` behind its proxy: the same OpenAI API, and 8 concurrent clients get
+    the answers each question gets asked alone (whichever replica answers either)."""
     from serve_util import SPEC, build_test_index
 
     from ragspec.cluster import serving
@@ -205,17 +206,12 @@ def test_two_serve_replicas_answer_8_clients_as_one_replica_does(local_ray, tmp_
     index = build_test_index(tmp_path, embedder)
     spec = load_spec(SPEC | {"serve": {"queue_size": 8}})
     model = SPEC["generator"]["model"]
-    port = free_port()
     try:
-        url = serving.start(index, spec, replicas=1, port=port)
-        one = load.run_load(url, model, load.DEFAULT_QUESTIONS, clients=1, requests=4, max_tokens=24)
-        assert one["errors"] == 0 and one["identical"] == 4, one
-        url = serving.start(index, spec, replicas=2, port=port)
+        url = serving.start(index, spec, replicas=2, port=free_port())
         from ray import serve
 
         assert serve.status().applications[serving.APP_NAME].deployments["ragspec"].replica_states == {"RUNNING": 2}
-        two = load.run_load(url, model, load.DEFAULT_QUESTIONS, clients=8, requests=8, max_tokens=24,
-                            reference=one["answers"])
+        two = load.run_load(url, model, load.DEFAULT_QUESTIONS, clients=8, requests=8, max_tokens=24)
     finally:
         serving.stop()
     assert two["errors"] == 0, two["error_samples"]
