@@ -17,6 +17,7 @@ from ragspec.eval.answers import (
     citation_coverage,
     is_refusal,
     normalize,
+    pick_records,
     read_records,
     record_sources,
     summarize,
@@ -200,6 +201,7 @@ def test_readers(data):
     assert clap[2].references == []
     assert [r.id for r in read_records(data["clapnq"], "clapnq", limit=1)] == ["a1", "u1"]  # N from each file
     assert [r.id for r in read_records(data["clapnq"] / "clapnq_dev_unanswerable.jsonl", "clapnq")] == ["u1"]
+    assert [r.id for r in pick_records(clap, "3,1")] == ["u1", "a1"]  # numbered in the order read
 
     sb = read_records(data["specbench"], "specbench")
     assert len(sb) == 1 and sb[0].question == "Where does the Danube rise?"
@@ -229,7 +231,9 @@ def test_cli_bad_input_is_one_line(tmp_path, data):
                       (["--data", str(data["nq"]), "--format", "squad"], "is not one of"),
                       (["--data", str(data["nq"]), "--format", "nq", "--style", "poem"], "--style 'poem'"),
                       (["--data", str(data["clapnq"] / "clapnq_dev_answerable.jsonl"), "--format", "nq"],
-                       "missing 'question'")):
+                       "missing 'question'"),
+                      (["--data", str(data["nq"]), "--format", "nq", "--records", "1,9"], "there is no record 9"),
+                      (["--data", str(data["nq"]), "--format", "nq", "--records", "a"], "record numbers")):
         r = runner.invoke(app, ["eval-answers", *args])
         assert r.exit_code == 2, r.output
         assert msg in r.output and len(r.output.strip().splitlines()) == 1, r.output

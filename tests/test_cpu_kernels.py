@@ -18,6 +18,7 @@ from greedy_cases import PASSAGES, QUESTIONS, chat_prompt, reference
 from torch import nn
 
 from ragspec.cpu_flags import native_bf16, native_int8
+from ragspec.decoding.backends.transformers import cache_arg
 from ragspec.decoding.budget import AdaptiveBudget, CostModel
 from ragspec.decoding.drafters.pld import PromptLookupDrafter
 from ragspec.decoding.drafters.suffix import SuffixDrafter
@@ -151,9 +152,9 @@ def test_logits_do_not_depend_on_batching(smol, cases):
     with torch.inference_mode():
         full = model(torch.tensor([seq])).logits[0, len(prompt) - 1 :]
         cache = DynamicCache(config=model.config)
-        steps = [model(torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1]]
+        steps = [model(torch.tensor([prompt]), **cache_arg(model, cache), use_cache=True).logits[0, -1]]
         for t in ref[:8]:
-            steps.append(model(torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0, -1])
+            steps.append(model(torch.tensor([[t]]), **cache_arg(model, cache), use_cache=True).logits[0, -1])
     assert torch.equal(full, torch.stack(steps))
 
 

@@ -10,7 +10,7 @@ import torch
 from conftest import PARAGRAPHS
 
 from ragspec.decoding.backends import source_kv
-from ragspec.decoding.backends.transformers import TransformersBackend
+from ragspec.decoding.backends.transformers import TransformersBackend, cache_arg
 from ragspec.decoding.source_cache import SourceKVStore, SourcePlan, entry_key
 from ragspec.pipeline.prompt import PromptBuilder, SourceText
 
@@ -27,7 +27,7 @@ def full_cache(model, ids, positions=None):
     cache = DynamicCache(config=model.config)
     pos = torch.arange(len(ids))[None] if positions is None else positions
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([ids]), position_ids=pos, past_key_values=cache, use_cache=True)
+        out = model(input_ids=torch.tensor([ids]), position_ids=pos, **cache_arg(model, cache), use_cache=True)
     return cache, out.logits[0, -1]
 
 
@@ -195,7 +195,7 @@ def greedy_over(model, cache, logits, n):
         for _ in range(n):
             tok = int(logits.argmax())
             out.append(tok)
-            o = model(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[pos]]), past_key_values=cache,
+            o = model(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[pos]]), **cache_arg(model, cache),
                       use_cache=True)
             logits, pos = o.logits[0, -1], pos + 1
     return out

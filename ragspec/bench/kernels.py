@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from ragspec.decoding.backends.transformers import cache_arg
+
 
 def _median_s(f, reps: int) -> float:
     f()
@@ -80,13 +82,13 @@ def model_costs(name: str, dtypes: list[str], prompt_tokens: int, rounds: int = 
                 model.set_attn_implementation(kernels[dt])
                 cache = DynamicCache(config=model.config)
                 t = time.perf_counter()
-                model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(input_ids=ids, **cache_arg(model, cache), use_cache=True, logits_to_keep=1)
                 samples[dt].setdefault("prefill tok/s", []).append(prompt_tokens / (time.perf_counter() - t))
                 for n, new in steps.items():
                     pos = torch.arange(prompt_tokens, prompt_tokens + n)[None]
 
                     def step(model=model, new=new, pos=pos, cache=cache):
-                        model(input_ids=new, position_ids=pos, past_key_values=cache, use_cache=True)
+                        model(input_ids=new, position_ids=pos, **cache_arg(model, cache), use_cache=True)
                         for layer in cache.layers:
                             layer.keys = layer.keys[:, :, :prompt_tokens]
                             layer.values = layer.values[:, :, :prompt_tokens]

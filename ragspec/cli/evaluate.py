@@ -198,6 +198,9 @@ def eval_answers(
                                                 "fraction of cached piece tokens recomputed, the most deviating"),
     skip: int = typer.Option(0, "--skip", help="leave out the first N records (clapnq folder: N of each file), "
                                                "to keep tuning and report records apart"),
+    numbers: str | None = typer.Option(None, "--records", help="only these records, numbered from 1 in the order "
+                                          "read after --skip and --limit (clapnq folder: answerable first), "
+                                          "e.g. the few a setting changes"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result JSON here (rewritten after "
                                             "every record)"),
 ):
@@ -206,7 +209,7 @@ def eval_answers(
     def body():
         quiet_libraries()
         from ragspec.console import progress
-        from ragspec.eval.answers import FORMATS, read_records, record_sources, score, summarize
+        from ragspec.eval.answers import FORMATS, pick_records, read_records, record_sources, score, summarize
         from ragspec.pipeline import Pipeline
         from ragspec.pipeline.prompt import STYLES
         from ragspec.spec import load_spec
@@ -237,6 +240,8 @@ def eval_answers(
         if retrieve is not None and not retrieve.exists():
             raise RagspecError(f"index {retrieve} does not exist")
         records = read_records(data, fmt, limit, skip)
+        if numbers is not None:
+            records = pick_records(records, numbers)
         if retrieve is None and any(not r.passages for r in records):
             bad = next(r for r in records if not r.passages)
             raise RagspecError(f"record {bad.id} of {data} has no passage to answer over (use --retrieve INDEX)")
@@ -275,7 +280,7 @@ def eval_answers(
                 "decline": None if pipe.spec.prompt.system else pipe.decline, "model": pipe.spec.generator.model,
                 "relevance_floor": pipe.relevance_gate.floor if pipe.relevance_gate else None,
                 "relevance_doubt": pipe.relevance_gate.doubt if pipe.relevance_gate else None,
-                "source_tokens": pipe.source_budget, "skip": skip,
+                "source_tokens": pipe.source_budget, "skip": skip, "picked": numbers,
                 "source_cache": pipe.source_cache_on(),
                 "source_cache_recompute": pipe.spec.generator.source_cache_recompute,
                 "source_cache_blend": pipe.spec.generator.source_cache_blend,

@@ -234,6 +234,21 @@ def read_records(path: Path, fmt: str, limit: int | None = None, skip: int = 0) 
     return recs
 
 
+def pick_records(records: list[QARecord], numbers: str) -> list[QARecord]:
+    """The records numbered in `numbers` ("1,21,35": 1-based, in the order read; a CLAP NQ folder's answerable
+    file first), so the few records whose prompt a setting changes can be rerun alone."""
+    picked = []
+    for part in numbers.split(","):
+        try:
+            n = int(part)
+        except ValueError:
+            raise RagspecError(f"--records takes record numbers such as 1,21,35, not '{numbers}'") from None
+        if not 1 <= n <= len(records):
+            raise RagspecError(f"--records: there is no record {n} (1 to {len(records)} were read)")
+        picked.append(records[n - 1])
+    return picked
+
+
 def record_sources(rec: QARecord) -> list:
     """The record's own passages as numbered sources (the title, if any, labels each)."""
     from ragspec.pipeline.prompt import SourceText

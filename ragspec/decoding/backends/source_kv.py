@@ -16,7 +16,7 @@ import json
 import torch
 
 from ragspec.decoding.backends.base import check_cancel, chunks
-from ragspec.decoding.backends.transformers import sliding_window
+from ragspec.decoding.backends.transformers import cache_arg, sliding_window
 from ragspec.decoding.source_cache import SourcePlan, entry_key
 
 
@@ -130,7 +130,7 @@ def _forward(model, cache, ids: list[int], start: int, cancel=None, on_chunk=Non
         check_cancel(cancel)
         out = model(input_ids=torch.tensor([ids[a - start : b - start]], device=dev),
                     position_ids=torch.arange(a, b, device=dev)[None],
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    **cache_arg(model, cache), use_cache=True, logits_to_keep=1)
         if on_chunk is not None:
             on_chunk(b - a)
     return None if out is None else out.logits[0, -1]
@@ -282,7 +282,7 @@ def assemble(model, prompt_ids: list[int], plan: SourcePlan, cancel=None, on_pro
         mask = torch.full((b - a, len(keys)), lo, dtype=cache.layers[0].keys.dtype, device=dev)
         mask.masked_fill_(keys[None, :] <= rows[:, None], 0)  # every key up to its own position
         out = model(input_ids=torch.tensor([[prompt_ids[p] for p in computed_pos[a:b]]], device=dev),
-                    position_ids=rows[None], attention_mask=mask[None, None], past_key_values=cache,
+                    position_ids=rows[None], attention_mask=mask[None, None], **cache_arg(model, cache),
                     use_cache=True, logits_to_keep=1)
         logits = out.logits[0, -1]
         cached_pos += computed_pos[a:b]

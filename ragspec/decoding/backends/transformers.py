@@ -7,6 +7,7 @@ rows move). It alone offers hidden states (PLD+ h) and attention rows (PLD+ a).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -16,6 +17,18 @@ from ragspec.decoding.backends.accept import accept_greedy, accept_sampled, new_
 from ragspec.decoding.backends.base import StepResult, check_cancel, chunks
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.tree import DraftTree
+
+_CACHE_KEYWORD: dict[type, str] = {}
+
+
+def cache_arg(model, cache) -> dict:
+    """The forward's keyword argument for a KV cache: transformers 5.24 renamed `past_key_values` to `cache`
+    (the old name warns and goes in 5.40); older 5.x releases know only the old one."""
+    kind = type(model)
+    if kind not in _CACHE_KEYWORD:
+        params = inspect.signature(kind.forward).parameters
+        _CACHE_KEYWORD[kind] = "cache" if "cache" in params else "past_key_values"
+    return {_CACHE_KEYWORD[kind]: cache}
 
 
 def sliding_window(config) -> int | None:
@@ -98,7 +111,7 @@ class TransformersBackend:
             ids = torch.tensor([prompt_ids[a:b]], device=self.device)
             out = self.model(
                 input_ids=ids,
-                past_key_values=self.cache,
+                **cache_arg(self.model, self.cache),
                 use_cache=True,
                 logits_to_keep=1,
                 output_hidden_states=self.hidden_layer is not None,
@@ -118,7 +131,7 @@ class TransformersBackend:
             ids = torch.tensor([prompt_ids[split : split + 1]], device=self.device)
             with eager_attention(self.model):
                 out = self.model(input_ids=ids, position_ids=torch.tensor([[split]], device=self.device),
-                                 past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+                                 **cache_arg(self.model, self.cache), use_cache=True, logits_to_keep=1,
                                  output_hidden_states=self.hidden_layer is not None)
             if self.hidden_layer is not None:
                 self._append_hidden(out.hidden_states[self.hidden_layer][0], at=split)
@@ -212,7 +225,7 @@ class TransformersBackend:
             input_ids=ids,
             position_ids=pos,
             attention_mask=mask,
-            past_key_values=self.cache,
+            **cache_arg(self.model, self.cache),
             use_cache=True,
             output_hidden_states=self.hidden_layer is not None,
         )
@@ -295,12 +308,12 @@ class TransformersBackend:
             if w > 1:
                 cache = DynamicCache(config=model.config)
                 seq = torch.cat([ids.repeat_interleave(k, 0), rows], 1)  # [D*k, 2 or 3]
-                o = model(input_ids=seq, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                o = model(input_ids=seq, **cache_arg(model, cache), use_cache=True, logits_to_keep=1)
                 nxt = o.logits[:, -1].float().argmax(-1, keepdim=True)
                 rows = torch.cat([rows, nxt], 1)
                 for j in range(w - 2):
                     pos = torch.full((nxt.shape[0], 1), ids.shape[1] + 1 + j, device=dev)
-                    o = model(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True)
+                    o = model(input_ids=nxt, position_ids=pos, **cache_arg(model, cache), use_cache=True)
                     nxt = o.logits[:, -1].float().argmax(-1, keepdim=True)
                     rows = torch.cat([rows, nxt], 1)
             rows = rows.reshape(len(chunk), k, w).tolist()
@@ -336,7 +349,7 @@ class TransformersBackend:
         ms = []
         with torch.inference_mode():
             cache = DynamicCache(config=model.config)
-            model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=ctx, **cache_arg(model, cache), use_cache=True, logits_to_keep=1)
             for n in sizes:
                 ids = torch.randint(100, min(vocab, 30000), (1, n), generator=gen).to(dev)
                 pos = torch.arange(context, context + n, device=dev)[None]
@@ -345,7 +358,7 @@ class TransformersBackend:
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     t = time.perf_counter()
-                    model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+                    model(input_ids=ids, position_ids=pos, **cache_arg(model, cache), use_cache=True)
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     times.append((time.perf_counter() - t) * 1000)
