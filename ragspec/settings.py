@@ -194,8 +194,10 @@ class GeneratorSettings(Strict):
     source_cache_recompute: int = Field(
         4, ge=0, description="source cache: the first tokens of each piece computed in full over what precedes it (EPIC)")
     source_cache_blend: float = Field(
-        0.0, ge=0.0, le=1.0, description="source cache: also recompute this fraction of each prompt's cached piece "
-        "tokens, those whose layer-1 KV deviates most from full prefill (CacheBlend; costs one layer over the prompt)")
+        0.5, ge=0.0, le=1.0, description="source cache: also recompute this fraction of each prompt's cached piece "
+        "tokens, those whose layer-1 KV deviates most from full prefill (CacheBlend; costs one layer over the prompt). "
+        "0.5: the one fraction that kept NQ-open answers within one standard error on tuning records "
+        "(docs/decoding.md); 0 is fastest and loses the most")
     source_cache_memory_mb: int = Field(512, ge=0, description="source cache: memory bound (least recently used go)")
     source_cache_disk_mb: int = Field(
         2048, ge=0, description="source cache: disk bound under $RAGSPEC_HOME/kv (0: memory only)")

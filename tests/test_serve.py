@@ -327,7 +327,8 @@ def test_the_server_shares_one_source_cache(index_path, embedder, smol, monkeypa
     from ragspec.settings import ServeSettings
 
     monkeypatch.setenv("RAGSPEC_HOME", str(tmp_path))
-    spec = {**SPEC, "generator": {**SPEC["generator"], "source_cache": "on", "source_cache_disk_mb": 0}}
+    spec = {**SPEC, "generator": {**SPEC["generator"], "source_cache": "on", "source_cache_blend": 0,
+                                             "source_cache_disk_mb": 0}}
     server = Server(make_pipeline(index_path, embedder, *smol, spec=spec), ServeSettings(prefix_cache=0),
                     model_name=MODEL, index_label=str(index_path))
     srv = LiveServer(create_app(server))

@@ -310,7 +310,8 @@ def test_pipeline_reuses_sources_across_asks(monkeypatch, tmp_path):
     from ragspec.pipeline import Pipeline
 
     pipe = Pipeline({"generator": {"model": "smollm2-135m-instruct", "max_new_tokens": 16, "source_cache": "on",
-                                   "source_cache_disk_mb": 16}, "prompt": {"relevance_floor": "off"}})
+                                   "source_cache_blend": 0, "source_cache_disk_mb": 16},
+                     "prompt": {"relevance_floor": "off"}})
     docs = list(PARAGRAPHS.values())
     first = pipe.ask("Where does the Danube rise?", documents=docs)
     st = first.stats
@@ -353,7 +354,8 @@ def test_index_kv_cache_fills_ahead_of_asks(monkeypatch, tmp_path, corpus):
     from ragspec.pipeline import Pipeline
 
     spec = tmp_path / "smol.yaml"
-    spec.write_text("generator: {model: smollm2-135m-instruct, max_new_tokens: 8, source_cache: 'on'}\n"
+    spec.write_text("generator: {model: smollm2-135m-instruct, max_new_tokens: 8, source_cache: 'on', "
+                    "source_cache_blend: 0}\n"
                     "prompt: {relevance_floor: 'off'}\n")
     out = tmp_path / "idx"
     res = CliRunner().invoke(app, ["index", str(corpus), "--out", str(out), "--pipeline", str(spec), "--kv-cache"])
