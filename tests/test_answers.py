@@ -233,7 +233,8 @@ def test_cli_bad_input_is_one_line(tmp_path, data):
                       (["--data", str(data["clapnq"] / "clapnq_dev_answerable.jsonl"), "--format", "nq"],
                        "missing 'question'"),
                       (["--data", str(data["nq"]), "--format", "nq", "--records", "1,9"], "there is no record 9"),
-                      (["--data", str(data["nq"]), "--format", "nq", "--records", "a"], "record numbers")):
+                      (["--data", str(data["nq"]), "--format", "nq", "--records", "a"], "record numbers"),
+                      (["--data", str(data["nq"]), "--format", "nq", "--records", "2,2"], "record 2 twice")):
         r = runner.invoke(app, ["eval-answers", *args])
         assert r.exit_code == 2, r.output
         assert msg in r.output and len(r.output.strip().splitlines()) == 1, r.output

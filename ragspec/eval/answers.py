@@ -245,8 +245,10 @@ def pick_records(records: list[QARecord], numbers: str) -> list[QARecord]:
             raise RagspecError(f"--records takes record numbers such as 1,21,35, not '{numbers}'") from None
         if not 1 <= n <= len(records):
             raise RagspecError(f"--records: there is no record {n} (1 to {len(records)} were read)")
-        picked.append(records[n - 1])
-    return picked
+        if n in picked:
+            raise RagspecError(f"--records names record {n} twice")
+        picked.append(n)
+    return [records[n - 1] for n in picked]
 
 
 def record_sources(rec: QARecord) -> list:

@@ -22,8 +22,8 @@ _CACHE_KEYWORD: dict[type, str] = {}
 
 
 def cache_arg(model, cache) -> dict:
-    """The forward's keyword argument for a KV cache: transformers 5.24 renamed `past_key_values` to `cache`
-    (the old name warns and goes in 5.40); older 5.x releases know only the old one."""
+    """The forward's keyword argument for a KV cache: recent transformers 5.x call it `cache` (5.24 warns that
+    `past_key_values` goes in 5.40); older 5.x releases know only `past_key_values`."""
     kind = type(model)
     if kind not in _CACHE_KEYWORD:
         params = inspect.signature(kind.forward).parameters
