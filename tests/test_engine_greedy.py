@@ -215,3 +215,24 @@ def test_tree_steps_read_grouped_heads_in_place(smol, cases):
     assert ours.shape == (1 + len(tree), model.config.vocab_size)
     assert torch.allclose(ours, theirs, atol=1e-3, rtol=0)
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_first_token_streams_before_the_first_step(smol, cases):
+    """Greedy with the root's logits kept by the prefill: the first answer token is out before any step runs,
+    and the answer is still greedy's token for token."""
+    model, tok = smol
+    prompt, ref = cases[0]
+    for drafter in (OracleDrafter(ref, 40), RandomDrafter(seed=3), NoDraft()):
+        gen = SpeculativeGenerator(model, tok, drafter=drafter, max_new_tokens=48)
+        stream = gen.stream(prompt)
+        first = next(stream)
+        assert first.tokens == ref[:1] and gen.stats.steps == 0 and gen.stats.prefill_ms > 0
+        deltas = [first] + list(stream)
+        assert [t for d in deltas for t in d.tokens] == ref == gen.tokens
+        assert gen.stats.new_tokens == len(ref) == sum(gen.stats.accepted_lengths)
+    # a stop string inside the first token's text ends the answer before any step
+    stop = tok.decode(ref[:1], skip_special_tokens=True).strip()[:1]
+    gen = SpeculativeGenerator(model, tok, drafter=OracleDrafter(ref, 40), max_new_tokens=48, stop_strings=(stop,))
+    text = gen.generate(prompt)
+    full = tok.decode(ref, skip_special_tokens=True)
+    assert text == full[: full.find(stop)] and gen.stats.finish_reason == "stop" and gen.stats.steps == 0

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from ragspec.cli import app
 from ragspec.errors import RagspecError
 from ragspec.models import machine
-from ragspec.models.machine import Candidate, choose, decode_ms_per_token, resolve, table_key
+from ragspec.models.machine import Candidate, choose, decode_ms_per_token, prefill_s, resolve, table_key
 from ragspec.settings import GeneratorSettings
 
 SMOL = "smollm2-135m-instruct"
@@ -42,6 +42,22 @@ def test_choose_takes_the_fastest_for_the_shape():
     short = choose(TABLE, 1100, 8, "suffix")  # prefill dominates: the faster prefill wins
     assert (short.backend, short.dtype) == ("transformers", "float32")
     assert short.predicted_s < choose(TABLE, 1100, 8, backend="llama.cpp").predicted_s
+
+
+def test_a_warm_source_cache_counts_the_assembly_not_the_prefill():
+    """With the source cache on, the prompt costs its measured assembly (CacheBlend's share linear in the
+    fraction): a backend whose assembly is cheap and whose steps are fast can win where its prefill lost."""
+    tf, skipped, llama = (dict(r) for r in TABLE["candidates"])
+    tf |= {"assembled_ms": 700.0, "blended_ms": 4700.0}
+    cheap = {"sizes": TABLE["sizes"], "candidates": [tf, skipped, llama | {"assembled_ms": 1000.0}]}
+    dear = {"sizes": TABLE["sizes"], "candidates": [tf, skipped, llama | {"assembled_ms": 4000.0}]}
+    assert choose(cheap, 1100, 64).backend == "transformers"  # full prefill: the faster prefill wins
+    warm = choose(cheap, 1100, 64, blend=0.0)
+    assert warm.backend == "llama.cpp" and "from a warm source cache" in warm.reason
+    assert choose(dear, 1100, 64, blend=0.0).backend == "transformers"
+    assert prefill_s(tf, 1024, 0.25) == pytest.approx(2.7) and prefill_s(tf, 2048, 0.5) == pytest.approx(9.4)
+    assert prefill_s(llama | {"assembled_ms": 1000.0}, 1024, 0.5) == pytest.approx(1.0)  # llama.cpp blends nothing
+    assert prefill_s(TABLE["candidates"][0], 1300, 0.5) == pytest.approx(10.0)  # not measured: a full prefill
 
 
 def test_pldplus_and_set_values_leave_candidates_out():
@@ -128,8 +144,11 @@ def test_calibration_measures_each_candidate_once_then_reads_the_cache(home, tab
     fp32 = rows["transformers", "float32"]
     assert fp32["prefill_tps"] > 0 and len(fp32["ms"]) == len(machine.SIZES) and fp32["ms"] == sorted(fp32["ms"])
     assert 0 < fp32["cpu_share"] <= 1.5
+    # a warm source store's assembly of the same prompt, first-k only and with CacheBlend's fraction
+    assert 0 < fp32["assembled_ms"] < fp32["prefill_ms"] and fp32["assembled_ms"] < fp32["blended_ms"]
     if available() is None:
-        assert rows["llama.cpp", "gguf"]["prefill_tps"] > 0
+        llama = rows["llama.cpp", "gguf"]
+        assert llama["prefill_tps"] > 0 and llama["assembled_ms"] > 0 and "blended_ms" not in llama
     else:
         assert rows["llama.cpp", "gguf"]["skipped"] == available()
     if not machine.native_bf16():
@@ -164,7 +183,8 @@ def test_models_calibrate_prints_the_table(home, table):
     out = r.output
     assert "CPU:" in out and "matmul 1024×896×4864 GFLOP/s: float32" in out
     assert "transformers/float32" in out and "prefill tok/s" in out and "cached" in out
-    assert out.count("auto picks") == 3 and "1100-token prompt + 256-token answer" in out
+    assert out.count("auto picks") == 4 and "1100-token prompt + 256-token answer" in out
+    assert "with the source cache on (warm, blend 0.5) auto picks" in " ".join(out.split())
     assert "what a pipeline plans for" in out
     bad = CliRunner().invoke(app, ["models", "--calibrate", "--model", "no/such-model-here"])
     assert bad.exit_code == 2 and "not an embedded generator" in bad.output

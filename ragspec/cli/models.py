@@ -94,7 +94,8 @@ def _print_calibration(out, model: str, force: bool) -> None:
     t = Table(title=f"{model} on this machine ({'cached' if cached else 'measured'} {table['measured_at']}; "
                     f"prompt / cache {table['context']} tokens)")
     t.add_column("candidate")
-    for c in ["prefill tok/s", *cols, "decode ms/token"] + [f"{p} + {a} s" for p, a in SHAPES] + ["busy"]:
+    store = f"warm store ms (blend 0 / {machine.BLEND})"
+    for c in ["prefill tok/s", store, *cols, "decode ms/token"] + [f"{p} + {a} s" for p, a in SHAPES] + ["busy"]:
         t.add_column(c, justify="right")
     notes = []
     for row in table["candidates"]:
@@ -104,7 +105,9 @@ def _print_calibration(out, model: str, force: bool) -> None:
             continue
         ms = dict(zip(sizes, row["ms"]))
         share = row.get("cpu_share")
-        t.add_row(name, f"{row['prefill_tps']:.0f}", *[f"{ms[n]:.0f}" for n in (1, 8, 16) if n in ms],
+        warm = (f"{row['assembled_ms']:.0f} / {row.get('blended_ms', row['assembled_ms']):.0f}"
+                if "assembled_ms" in row else row.get("assembly", "–"))
+        t.add_row(name, f"{row['prefill_tps']:.0f}", warm, *[f"{ms[n]:.0f}" for n in (1, 8, 16) if n in ms],
                   f"{machine.decode_ms_per_token(row, 'suffix', sizes):.0f}",
                   *[f"{machine.predict_s(row, p, a, 'suffix', sizes):.1f}" for p, a in SHAPES],
                   "[yellow]yes[/]" if share is not None and share < machine.BUSY else "no")
@@ -116,7 +119,12 @@ def _print_calibration(out, model: str, force: bool) -> None:
         plan = " (what a pipeline plans for)" if a == machine.EXPECTED_ANSWER_TOKENS else ""
         out.print(f"auto picks [bold]{c.backend}/{c.dtype}[/] for a {p}-token prompt + {a}-token answer{plan}: "
                   f"{c.reason.split(': ', 1)[-1]}")
-    out.print("[dim]predicted: prompt / prefill tok/s + answer × decode ms/token, drafting accepting "
+    p, a = SHAPES[0][0], machine.EXPECTED_ANSWER_TOKENS
+    c = machine.choose(table, p, a, "suffix", blend=machine.BLEND)
+    out.print(f"with the source cache on (warm, blend {machine.BLEND}) auto picks [bold]{c.backend}/{c.dtype}[/] "
+              f"for a {p}-token prompt + {a}-token answer: {c.reason.split(': ', 1)[-1]}")
+    out.print("[dim]predicted: prompt / prefill tok/s (with the cache: the warm store's assembly of a "
+              f"{table['context']}-token prompt, scaled) + answer × decode ms/token, drafting accepting "
               f"{machine.ACCEPT:.0%} of draft tokens in a chain; busy: the measurement got under "
               f"{machine.BUSY:.0%} of its cores twice (other jobs ran), re-run with --force when idle[/]")
     out.print(f"[dim]cache: {machine.table_path(model)}[/]")

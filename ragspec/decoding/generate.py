@@ -106,12 +106,11 @@ class SpeculativeGenerator:
         t0 = time.perf_counter()
         self.drafter.prepare(state)
         stats.draft_ms += (time.perf_counter() - t0) * 1000
-        decoder = IncrementalDecoder(self.tokenizer)
-        held = ""  # text withheld because it could be the start of a stop string
-        held_tokens: list[int] = []
-        held_sources: list[int] = []
+        out = _Emitter(self.tokenizer, self.eos, self.stop_strings)
         t_decode = time.perf_counter()
         pending: list[tuple[DraftTree, int]] = []  # proposals whose outcome is not yet known
+        # greedy, with the root's logits kept by the prefill: the first answer token is known before any step
+        known = verifier.known_next()
         while True:
             remaining = self.max_new_tokens - stats.new_tokens
             if remaining <= 0:
@@ -128,8 +127,19 @@ class SpeculativeGenerator:
             # the adaptive budget learns from the whole proposal, not just the part verified now: how deep it
             # would have been accepted is read off the tokens that follow (else a small cap could never grow)
             full = self.drafter.propose(state, max(0, min(cap, remaining - 1)))
+            first, known = known, None
+            early = first is not None and first not in self.eos
             tree = self.budget.select(full) if adaptive else full.truncated(max(0, cap))
             stats.draft_ms += (time.perf_counter() - t) * 1000
+            if early:  # stream it now, before the step's forward: the wait for the first token is the prefill's
+                node = tree.child(-1, first)
+                deltas, stopped = out.push([first], [tree.sources[node] if node is not None else -1])
+                yield from deltas
+                if stopped:
+                    stats.new_tokens += 1
+                    self.tokens.append(first)
+                    stats.finish_reason = "stop"
+                    break
             res = verifier.step(tree)
             if adaptive:
                 pending.append((full, len(self.tokens)))
@@ -144,6 +154,8 @@ class SpeculativeGenerator:
                 if tok in self.eos:
                     toks, srcs, finish = toks[: i + 1], srcs[: i + 1], "eos"
                     break
+            if early and toks[0] != first:
+                raise RuntimeError(f"the {verifier.name} backend's first step disagrees with its prefill's logits")
             stats.accepted_lengths.append(len(toks))
             stats.accepted_draft_tokens += min(res.accepted, len(toks))
             stats.new_tokens += len(toks)
@@ -155,41 +167,66 @@ class SpeculativeGenerator:
             t = time.perf_counter()
             self.drafter.update(state, toks)
             stats.draft_ms += (time.perf_counter() - t) * 1000
-            text_toks = [tk for tk in toks if tk not in self.eos]
-            text = decoder.push(text_toks)
-            held += text
-            held_tokens += toks
-            held_sources += srcs
-            if self.stop_strings:
-                cut = _find_stop(held, self.stop_strings)
-                if cut is not None:
-                    if held[:cut]:
-                        yield Delta(held[:cut], held_tokens, held_sources)
-                    stats.finish_reason = "stop"
-                    held = ""
-                    break
-                keep = _stop_prefix_len(held, self.stop_strings)
-                emit, held = held[: len(held) - keep], held[len(held) - keep :]
-            else:
-                emit, held = held, ""
-            if emit or (not held and held_tokens):
-                yield Delta(emit, held_tokens, held_sources)
-                held_tokens, held_sources = [], []
+            deltas, stopped = out.push(toks[1:] if early else toks, srcs[1:] if early else srcs)
+            yield from deltas
+            if stopped:
+                stats.finish_reason = "stop"
+                break
             if finish:
                 stats.finish_reason = finish
                 break
         if isinstance(self.budget, AdaptiveBudget):
             settle(self.budget, pending, self.tokens, final=True)
         if stats.finish_reason != "stop":
-            tail = held + decoder.flush()
-            if self.stop_strings:
-                cut = _find_stop(tail, self.stop_strings)
-                if cut is not None:
-                    tail = tail[:cut]
-                    stats.finish_reason = "stop"
-            if tail or held_tokens:
-                yield Delta(tail, held_tokens, held_sources)
+            tail, stopped = out.finish()
+            if stopped:
+                stats.finish_reason = "stop"
+            if tail is not None:
+                yield tail
         stats.decode_ms = (time.perf_counter() - t_decode) * 1000
+
+
+class _Emitter:
+    """Accepted tokens to text deltas: text that could start a stop string is held back, and nothing past a
+    stop string is ever emitted."""
+
+    def __init__(self, tokenizer, eos: set, stop_strings: tuple[str, ...]):
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.eos, self.stops = eos, stop_strings
+        self.held = ""  # text withheld because it could be the start of a stop string
+        self.tokens: list[int] = []
+        self.sources: list[int] = []
+
+    def push(self, toks: list[int], srcs: list[int]) -> tuple[list[Delta], bool]:
+        """The deltas `toks` complete, and whether a stop string ended the answer."""
+        self.held += self.decoder.push([tk for tk in toks if tk not in self.eos])
+        self.tokens += toks
+        self.sources += srcs
+        if self.stops:
+            cut = _find_stop(self.held, self.stops)
+            if cut is not None:
+                out = [Delta(self.held[:cut], self.tokens, self.sources)] if self.held[:cut] else []
+                self.held = ""
+                return out, True
+            keep = _stop_prefix_len(self.held, self.stops)
+            emit, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+        else:
+            emit, self.held = self.held, ""
+        if emit or (not self.held and self.tokens):
+            out = [Delta(emit, self.tokens, self.sources)]
+            self.tokens, self.sources = [], []
+            return out, False
+        return [], False
+
+    def finish(self) -> tuple[Delta | None, bool]:
+        """The last delta (held text, the decoder's rest), if any, and whether a stop string cut it."""
+        tail, stopped = self.held + self.decoder.flush(), False
+        if self.stops:
+            cut = _find_stop(tail, self.stops)
+            if cut is not None:
+                tail, stopped = tail[:cut], True
+        self.held = ""
+        return (Delta(tail, self.tokens, self.sources) if tail or self.tokens else None), stopped
 
 
 def _find_stop(text: str, stops) -> int | None:

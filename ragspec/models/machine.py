@@ -40,11 +40,16 @@ MATMUL = (1024, 896, 4864)  # M×K×N: a 1,024-token prefill through Qwen2.5-0.5
 # reaches on Spec-Bench rag, docs/models.md). One acceptance for every candidate: the same drafts are accepted
 # whatever runs the model; what differs is what a step of 1 + k tokens costs, t(1 + k).
 ACCEPT = 0.7
-FORMAT = 1  # bump when the table's layout or the measurement changes: old cache files are then ignored
+FORMAT = 2  # bump when the table's layout or the measurement changes: old cache files are then ignored
 # The answer length a pipeline plans for: max_new_tokens is a cap, not a length. The 12 quickstart asks of
 # examples/source_stats.py (quote style, Qwen2.5-0.5B) answered in 9-67 tokens (median 13, mean 21), so their
 # time is mostly prefill; planning for the cap (256) would pick the faster decoder and lose (docs/models.md).
 EXPECTED_ANSWER_TOKENS = 32
+# The source cache's calibration prompt (a warm store): a head, five cached pieces behind short source headers,
+# the question and template tail; pieces re-positioned, their first 4 tokens and the gaps computed in full, and
+# with CacheBlend the fraction BLEND of the rest. Cost grows about linearly with the fraction recomputed.
+ASSEMBLY = {"head": 64, "pieces": 5, "gap": 6, "tail": 24, "recompute": 4}
+BLEND = 0.5
 BUSY = 0.7  # a measurement that got less than this share of its cores ran beside another job: measured again
 TIMEOUT_S = 1800  # per candidate; a busy 2-core machine measures Qwen2.5-0.5B float32 in about a minute
 
@@ -313,14 +318,58 @@ def measure_candidate(model: str, backend: str, dtype: str, context: int = CONTE
         b.close()
         ms = monotone(backend_class(lm).measure_costs(lm, context, repeats, list(sizes)))
         r1, w1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        store = measure_assembly(lm, prompt[:context], repeats)
     finally:
         if hasattr(lm, "close"):
             lm.close()
     cpu_s = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-    return {"prefill_tps": round(context / (prefill / 1000), 1), "prefill_ms": round(prefill, 1),
+    return {"prefill_tps": round(context / (prefill / 1000), 1), "prefill_ms": round(prefill, 1), **store,
             "ms": [round(x, 2) for x in ms], "load_s": round(load_s, 1), "threads": threads,
             # the share of `threads` cores the measurement got: well under 1, another job was running
             "cpu_share": round(cpu_s / ((w1 - w0) * threads), 2), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def measure_assembly(lm, prompt: list[int], repeats: int = 3) -> dict:
+    """What a warm source store makes of `prompt`'s prefill (the `ASSEMBLY` layout, filled by one cold
+    assembly first): `assembled_ms` with first-k recompute only, and `blended_ms` with CacheBlend's fraction
+    `BLEND` too (transformers only: llama.cpp applies none). Where the model cannot assemble, `assembly` says
+    why and the choice counts a full prefill."""
+    from ragspec.decoding.backends import make_backend
+    from ragspec.decoding.sampling import SamplingSettings
+    from ragspec.decoding.source_cache import SourceKVStore, SourcePlan
+
+    a = ASSEMBLY
+    size = (len(prompt) - a["head"] - a["tail"]) // a["pieces"] - a["gap"]
+    pieces, at = [], a["head"]
+    for _ in range(a["pieces"]):
+        pieces.append((at + a["gap"], at + a["gap"] + size))
+        at += a["gap"] + size
+    store = SourceKVStore(memory_bytes=4 << 30)
+    out = {}
+    b = make_backend(lm, SamplingSettings())
+    try:
+        for name, blend in (("assembled_ms", 0.0), ("blended_ms", BLEND)):
+            runs = []
+            for _ in range(repeats + 1):  # a run before the timed ones: the first fills the store (cold)
+                plan = SourcePlan(store, a["head"], pieces, a["recompute"], blend)
+                runs.append(b.prefill(prompt, sources=plan))
+                if plan.fallback:
+                    return {"assembly": plan.fallback}
+                if plan.note:  # not applied (llama.cpp has no CacheBlend): it costs what first-k does
+                    return out
+            out[name] = round(sorted(runs[1:])[repeats // 2], 1)
+    finally:
+        b.close()
+    return out
+
+
+def prefill_s(row: dict, prompt_tokens: int, blend: float | None = None) -> float:
+    """Seconds to read a prompt: a full prefill at the measured rate, or with a warm source store (`blend`:
+    its CacheBlend fraction) the measured assembly scaled to the prompt, blended cost linear in the fraction."""
+    if blend is None or "assembled_ms" not in row:
+        return prompt_tokens / row["prefill_tps"]
+    ms = row["assembled_ms"] + (row.get("blended_ms", row["assembled_ms"]) - row["assembled_ms"]) * blend / BLEND
+    return ms / 1000 * prompt_tokens / CONTEXT
 
 
 # -- the choice ----------------------------------------------------------------------------------------------
@@ -348,37 +397,42 @@ def decode_ms_per_token(row: dict, drafting_method: str = "suffix", sizes=SIZES)
 
 
 def predict_s(row: dict, prompt_tokens: int, answer_tokens: int, drafting_method: str = "suffix",
-              sizes=SIZES) -> float:
-    """Seconds for an ask: prompt_tokens / prefill tok/s + answer_tokens × decode ms per token (first order:
-    the budget's finer choices and the answer's real length are left out)."""
-    return prompt_tokens / row["prefill_tps"] + answer_tokens * decode_ms_per_token(row, drafting_method, sizes) / 1000
+              sizes=SIZES, blend: float | None = None) -> float:
+    """Seconds for an ask: the prompt's prefill (`prefill_s`) + answer_tokens × decode ms per token (first
+    order: the budget's finer choices and the answer's real length are left out)."""
+    return (prefill_s(row, prompt_tokens, blend)
+            + answer_tokens * decode_ms_per_token(row, drafting_method, sizes) / 1000)
 
 
 def choose(table: dict, prompt_tokens: int, answer_tokens: int, drafting_method: str = "suffix",
-           backend: str = "auto", dtype: str = "auto") -> Choice:
+           backend: str = "auto", dtype: str = "auto", blend: float | None = None) -> Choice:
     """The measured candidate with the least predicted time for this shape (a pure function of the table).
     llama.cpp is left out for PLD+ drafting (it needs hidden states or attention rows llama.cpp does not
-    give); `backend` / `dtype` other than 'auto' keep only the candidates that match."""
+    give); `backend` / `dtype` other than 'auto' keep only the candidates that match. `blend`: the source
+    cache is on with this CacheBlend fraction, and its store is counted warm (the prompt assembled)."""
     rows = [r for r in table["candidates"] if "prefill_tps" in r
             and backend in ("auto", r["backend"]) and dtype in ("auto", r["dtype"])
             and not (r["backend"] == "llama.cpp" and needs_transformers(drafting_method))]
     if not rows:
         return Choice("transformers", "float32", "no candidate was measured here: transformers/float32 as before")
     sizes = table.get("sizes", SIZES)
-    scored = sorted((predict_s(r, prompt_tokens, answer_tokens, drafting_method, sizes), i, r)
+    scored = sorted((predict_s(r, prompt_tokens, answer_tokens, drafting_method, sizes, blend), i, r)
                     for i, r in enumerate(rows))
     best_s, _, best = scored[0]
     others = ", ".join(f"{r['backend']}/{r['dtype']} {s:.1f} s" for s, _, r in scored[1:])
-    reason = (f"fastest measured here for a {prompt_tokens}-token prompt + {answer_tokens}-token answer: "
+    prompt = f"{prompt_tokens}-token prompt" + (" from a warm source cache" if blend is not None else "")
+    reason = (f"fastest measured here for a {prompt} + {answer_tokens}-token answer: "
               f"{best['backend']}/{best['dtype']} {best_s:.1f} s" + (f" (vs {others})" if others else ""))
     return Choice(best["backend"], best["dtype"], reason, round(best_s, 2))
 
 
 def resolve(generator, device: str, prompt_tokens: int, answer_tokens: int, drafting_method: str,
-            progress: Callable[[str], None] | None = None, cache_dir: Path | None = None) -> Choice:
+            progress: Callable[[str], None] | None = None, cache_dir: Path | None = None,
+            source_cache: bool = False) -> Choice:
     """What a pipeline runs for `generator` settings (backend, dtype): explicit values are honoured; on
     CUDA auto is transformers bfloat16; on CPU auto measures the candidates left (once per machine, cached)
-    and takes the fastest for the shape — with a single candidate left, it is taken without measuring."""
+    and takes the fastest for the shape — with a single candidate left, it is taken without measuring.
+    `source_cache`: prompts are assembled from a (warm) source store, at `generator.source_cache_blend`."""
     backend, dtype = generator.backend, generator.dtype
     if backend == "llama.cpp":
         return Choice("llama.cpp", "gguf", "generator.backend: llama.cpp")
@@ -406,7 +460,8 @@ def resolve(generator, device: str, prompt_tokens: int, answer_tokens: int, draf
         return Choice(c.backend, c.dtype, "the only candidate here" + (f" ({'; '.join(left_out)})" if left_out else ""))
     # the whole table (every candidate), so pipelines of other settings on this machine share one file
     table = machine_table(generator.model, cache_dir=cache_dir, progress=progress)
-    return choose(table, prompt_tokens, answer_tokens, drafting_method, backend)
+    blend = float(generator.source_cache_blend) if source_cache else None
+    return choose(table, prompt_tokens, answer_tokens, drafting_method, backend, blend=blend)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -123,7 +123,7 @@ class Pipeline:
 
                 g, method = self.spec.generator, self.spec.drafting.method
                 self.choice = resolve(g, self.device, self.expected_prompt_tokens(), self.expected_answer_tokens(),
-                                      method, progress=progress)
+                                      method, progress=progress, source_cache=self.source_cache_on())
                 from ragspec.models.machine import needs_transformers
 
                 if self.choice.backend == "llama.cpp" and needs_transformers(method):

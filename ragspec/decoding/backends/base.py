@@ -72,6 +72,10 @@ class Backend(Protocol):
         """Cache the prompt in `PREFILL_CHUNK` chunks (`on_progress` after each, `cancel` checked before each:
         `Cancelled`); returns ms."""
 
+    def known_next(self) -> int | None:
+        """The next token when the prefill's logits already fix it (greedy, root cached), else None: the loop
+        streams it before the first step and verifies only the drafts that start with it."""
+
     def step(self, tree: DraftTree) -> StepResult:
         """Verify [root + tree] in one forward; keep the accepted path in the cache."""
 

@@ -264,6 +264,12 @@ class LlamaCppBackend:
         self.root = int(prompt_ids[-1])
         return (time.perf_counter() - t) * 1000
 
+    def known_next(self) -> int | None:
+        """The first answer token, when greedy and the prefill kept the root's logits: known before any step."""
+        if self._root_logits is None or not self.sampling.greedy:
+            return None
+        return int(np.argmax(self._root_logits))
+
     def _run(self, rows):
         """Decode the step's rows; returns row(r) for r over [root + tree]. The first step after a prefill
         skips the root row (cached, its logits kept from the prefill)."""

@@ -139,6 +139,12 @@ class TransformersBackend:
             self.cached = split + 1
         return (time.perf_counter() - t) * 1000
 
+    def known_next(self) -> int | None:
+        """The first answer token, when greedy and the prefill kept the root's logits: known before any step."""
+        if self._root_logits is None or not self.sampling.greedy:
+            return None
+        return int(self._root_logits.argmax())
+
     # -- one step ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, tree: DraftTree) -> StepResult:
