@@ -55,6 +55,7 @@ def test_a_warm_source_cache_counts_the_assembly_not_the_prefill():
     warm = choose(cheap, 1100, 64, blend=0.0)
     assert warm.backend == "llama.cpp" and "from a warm source cache" in warm.reason
     assert choose(dear, 1100, 64, blend=0.0).backend == "transformers"
+    assert choose(cheap, 1100, 64, blend=0.5).backend == "transformers"  # llama.cpp applies no CacheBlend
     assert prefill_s(tf, 1024, 0.25) == pytest.approx(2.7) and prefill_s(tf, 2048, 0.5) == pytest.approx(9.4)
     assert prefill_s(llama | {"assembled_ms": 1000.0}, 1024, 0.5) == pytest.approx(1.0)  # llama.cpp blends nothing
     assert prefill_s(TABLE["candidates"][0], 1300, 0.5) == pytest.approx(10.0)  # not measured: a full prefill
@@ -183,8 +184,8 @@ def test_models_calibrate_prints_the_table(home, table):
     out = r.output
     assert "CPU:" in out and "matmul 1024×896×4864 GFLOP/s: float32" in out
     assert "transformers/float32" in out and "prefill tok/s" in out and "cached" in out
-    assert out.count("auto picks") == 4 and "1100-token prompt + 256-token answer" in out
-    assert "with the source cache on (warm, blend 0.5) auto picks" in " ".join(out.split())
+    assert out.count("auto picks") == 5 and "1100-token prompt + 256-token answer" in out
+    assert "with the source cache on (warm, blend 0.5) auto picks transformers" in " ".join(out.split())
     assert "what a pipeline plans for" in out
     bad = CliRunner().invoke(app, ["models", "--calibrate", "--model", "no/such-model-here"])
     assert bad.exit_code == 2 and "not an embedded generator" in bad.output

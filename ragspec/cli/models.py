@@ -120,9 +120,11 @@ def _print_calibration(out, model: str, force: bool) -> None:
         out.print(f"auto picks [bold]{c.backend}/{c.dtype}[/] for a {p}-token prompt + {a}-token answer{plan}: "
                   f"{c.reason.split(': ', 1)[-1]}")
     p, a = SHAPES[0][0], machine.EXPECTED_ANSWER_TOKENS
-    c = machine.choose(table, p, a, "suffix", blend=machine.BLEND)
-    out.print(f"with the source cache on (warm, blend {machine.BLEND}) auto picks [bold]{c.backend}/{c.dtype}[/] "
-              f"for a {p}-token prompt + {a}-token answer: {c.reason.split(': ', 1)[-1]}")
+    for blend in (0.0, machine.BLEND):
+        c = machine.choose(table, p, a, "suffix", blend=blend)
+        out.print(f"with the source cache on (warm, blend {blend:g}) auto picks [bold]{c.backend}/{c.dtype}[/] for a "
+                  f"{p}-token prompt + {a}-token answer: {c.reason.split(': ', 1)[-1]}"
+                  + (" (llama.cpp applies no CacheBlend: left out)" if blend else ""))
     out.print("[dim]predicted: prompt / prefill tok/s (with the cache: the warm store's assembly of a "
               f"{table['context']}-token prompt, scaled) + answer × decode ms/token, drafting accepting "
               f"{machine.ACCEPT:.0%} of draft tokens in a chain; busy: the measurement got under "

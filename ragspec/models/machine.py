@@ -409,10 +409,11 @@ def choose(table: dict, prompt_tokens: int, answer_tokens: int, drafting_method:
     """The measured candidate with the least predicted time for this shape (a pure function of the table).
     llama.cpp is left out for PLD+ drafting (it needs hidden states or attention rows llama.cpp does not
     give); `backend` / `dtype` other than 'auto' keep only the candidates that match. `blend`: the source
-    cache is on with this CacheBlend fraction, and its store is counted warm (the prompt assembled)."""
+    cache is on with this CacheBlend fraction, and its store is counted warm (the prompt assembled); a
+    fraction above 0 leaves llama.cpp out too (it applies none: its answers would not be the ones asked for)."""
     rows = [r for r in table["candidates"] if "prefill_tps" in r
             and backend in ("auto", r["backend"]) and dtype in ("auto", r["dtype"])
-            and not (r["backend"] == "llama.cpp" and needs_transformers(drafting_method))]
+            and not (r["backend"] == "llama.cpp" and (needs_transformers(drafting_method) or blend))]
     if not rows:
         return Choice("transformers", "float32", "no candidate was measured here: transformers/float32 as before")
     sizes = table.get("sizes", SIZES)
