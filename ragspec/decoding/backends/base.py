@@ -74,7 +74,7 @@ class Backend(Protocol):
 
     def known_next(self) -> int | None:
         """The next token when the prefill's logits already fix it (greedy, root cached), else None: the loop
-        streams it before the first step and verifies only the drafts that start with it."""
+        streams it before the first step runs (the step still verifies the same tree)."""
 
     def step(self, tree: DraftTree) -> StepResult:
         """Verify [root + tree] in one forward; keep the accepted path in the cache."""
