@@ -176,10 +176,11 @@ class GeneratorSettings(Strict):
         "on this machine for the pipeline's ask shape (`ragspec models --calibrate`), on CUDA transformers"
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu")
-    dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = Field(
-        "auto", description="auto: bfloat16 on CUDA; on CPU float32, or bfloat16 / int8 where the CPU has them natively "
-        "and they measured faster here (with backend auto, a set dtype means transformers); int8 (CPU only): int8 "
-        "weights per channel, activations per token, lm_head float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "gguf"] = Field(
+        "auto", description="auto: bfloat16 on CUDA; on CPU the fastest measured here of float32, bfloat16 / int8 "
+        "where the CPU has them natively, and gguf (with backend auto, a set dtype means transformers); int8 (CPU "
+        "only): int8 weights per channel, activations per token, lm_head float32; gguf (CPU only, embedded models): "
+        "the GGUF's own 4-8-bit blocks, activations int8 per 32 values, a bf16 copy for prompts where bf16 is native"
     )
     max_new_tokens: int = Field(256, ge=1, description="answer budget, in tokens")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy (output identical to plain greedy decoding)")

@@ -15,7 +15,7 @@ def test_bench_json_schema(tmp_path):
             "Black Sea. The Danube flows through ten countries, more than any other river.")
     prompts.write_text(json.dumps({"question_id": 1, "category": "summarization", "turns": [text]}) + "\n")
     out = tmp_path / "r.json"
-    r = CliRunner().invoke(app, ["bench", "--prompts", str(prompts), "--category", "summarization", "--model",
+    r = CliRunner().invoke(app, ["bench", "--prompts", str(prompts), "--category", "summarization", "--dtype", "float32", "--model",
                                  "smollm2-135m-instruct", "--methods", "vanilla,hf-pld,pld,trie,suffix,oracle,pldplus-h",
                                  "--max-new-tokens", "12", "--budget", "16", "--json", str(out), "--plot",
                                  str(tmp_path / "p.png")])
@@ -63,7 +63,7 @@ def test_bench_all_categories_in_one_run(tmp_path):
     with pytest.raises(RagspecError, match="no category 'rag'"):
         load_prompts(prompts, "qa,rag", 1)
     out = tmp_path / "all.json"
-    r = CliRunner().invoke(app, ["bench", "--prompts", str(prompts), "--category", "all", "--limit", "1", "--model",
+    r = CliRunner().invoke(app, ["bench", "--prompts", str(prompts), "--category", "all", "--limit", "1", "--dtype", "float32", "--model",
                                  "smollm2-135m-instruct", "--methods", "vanilla,suffix,oracle", "--max-new-tokens",
                                  "8", "--budget", "16", "--json", str(out)])
     assert r.exit_code == 0, r.output

@@ -31,7 +31,8 @@ from ragspec.models.machine import machine_info
 
 HF_METHODS = ("vanilla", "hf-pld")
 LLAMA_METHODS = ("vanilla", "llama-pld")
-PEERS = HF_METHODS + LLAMA_METHODS  # rows that do not run through ragspec's loop
+LLAMA = "llama"  # in a transformers run: plain llama.cpp greedy on the same GGUF, the verifier a user would pick instead
+PEERS = HF_METHODS + LLAMA_METHODS + (LLAMA,)  # rows that do not run through ragspec's loop
 CEILING = "oracle"  # knows vanilla's output: the best any context drafter can do here (drafters/oracle.py)
 STEP_PARTS = ("draft", "inputs", "forward", "accept", "trim")
 
@@ -275,13 +276,17 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
               on_prompt=None) -> dict:
     """Run every method on every prompt, interleaved; `on_prompt(result_so_far)` after each prompt lets a long
     run keep its figures if it is stopped ("complete": false until the last prompt)."""
-    peers = LLAMA_METHODS if is_llama(model) else HF_METHODS
+    peers = LLAMA_METHODS if is_llama(model) else HF_METHODS + (LLAMA,)
     unknown = [m for m in methods if m not in peers and m not in METHODS and m != CEILING]
     if unknown:
         raise RagspecError(f"unknown bench method(s) for this backend: {', '.join(unknown)} (peers: {', '.join(peers)})")
     if "vanilla" not in methods:
         methods = ["vanilla"] + methods
     eos = sorted(SpeculativeGenerator(model, tokenizer).eos)
+    if LLAMA in methods:
+        from ragspec.models.generator import load_llama_generator
+
+        model._ragspec_llama_peer = load_llama_generator(model_name)[0]
     cost = calibrate(model) if budget == "auto" else None
     budgets = {m: (AdaptiveBudget(cost) if cost else int(budget)) for m in methods if m not in PEERS}
     drafters = {m: make_drafter(m, model, tokenizer) for m in methods if m not in PEERS}
@@ -337,6 +342,8 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
                 for part, ms in stats["step_ms"].items():
                     a["step_" + part] += ms
                 hist[m].extend(stats["accepted_lengths"])
+            if m == LLAMA:  # another verifier of the same GGUF: its greedy is its own, not compared
+                continue
             if toks == ref:
                 identical[m] += 1
             else:
@@ -372,7 +379,7 @@ def _summarize(acc, hist, divergences, identical, memory, methods, done, total, 
             "verify_ms_per_step": round(a["verify_ms"] / steps, 3) if steps else None,
             "draft_share": round(a["draft_ms"] / (a["draft_ms"] + a["verify_ms"]), 4) if steps else None,
             "tree_nodes_per_step": round(a["tree_nodes"] / steps, 2) if steps else None,
-            "identical": identical[m],
+            "identical": None if m == LLAMA else identical[m],
             "divergences": divergences[m],
             "accepted_histogram": _histogram(hist[m]) if hist[m] else None,
             "drafter_memory_mb_4k": memory.get(m),
@@ -390,6 +397,9 @@ def _summarize(acc, hist, divergences, identical, memory, methods, done, total, 
 def _run_one(m, model, tokenizer, prompt, max_new, eos, drafters, budgets):
     if m in LLAMA_METHODS and is_llama(model):
         toks, ms = llama_generate(model, prompt, max_new, eos, lookup=10 if m == "llama-pld" else 0)
+        return toks, ms, None
+    if m == LLAMA:
+        toks, ms = llama_generate(model._ragspec_llama_peer, prompt, max_new, eos)
         return toks, ms, None
     if m == "vanilla":
         toks, ms = hf_generate(model, prompt, max_new, eos)

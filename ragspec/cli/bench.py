@@ -118,10 +118,13 @@ def bench(
     offset: int = typer.Option(0, "--offset", help="skip the category's first N prompts (a held-out fold)"),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", "--model"),
     methods: str | None = typer.Option(None, "--methods",
-                                          help="vanilla, hf-pld (llama-pld with --backend llama.cpp), none, pld, trie, "
+                                          help="vanilla, hf-pld (llama-pld with --backend llama.cpp), llama (plain "
+                                               "llama.cpp greedy on the same GGUF, in a transformers run), none, pld, trie, "
                                                "suffix, pldplus-h, pldplus-a, lookahead, ngrammys, auto, oracle (the ceiling); default: "
                                                "vanilla,<peer>,pld,trie,suffix,oracle"),
     backend: str = typer.Option("transformers", "--backend", help="transformers or llama.cpp (the GGUF as shipped)"),
+    dtype: str = typer.Option("auto", "--dtype", help="transformers: float32, bfloat16, int8, gguf, or auto (what "
+                                                      "generator.dtype auto picks on this machine)"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     budget: str = typer.Option("auto", "--budget", help="draft tree size: auto (cost-aware) or a number"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result JSON here"),
@@ -153,7 +156,8 @@ def bench(
 
             lm, tok = load_llama_generator(model)
         else:
-            lm, tok = load_generator(model)
+            dt = _bench_dtype(model) if dtype == "auto" else dtype
+            lm, tok = load_generator(model, "cpu" if dt in ("int8", "gguf") else _default_device(), dt)
         peer = "llama-pld" if backend == "llama.cpp" else "hf-pld"
         chosen = methods or f"vanilla,{peer},pld,trie,suffix,oracle"
         b = budget if budget == "auto" else int(budget)
@@ -186,7 +190,8 @@ def bench(
         if plot_out:
             plot(result, plot_out)
 
-        t = Table(title=f"{model} ({backend}) — {category}, {len(rows)} prompts, {max_new_tokens} new tokens")
+        label = backend if backend == "llama.cpp" else f"{backend}/{_dtype_of(lm)}"
+        t = Table(title=f"{model} ({label}) — {category}, {len(rows)} prompts, {max_new_tokens} new tokens")
         for col in ("method", "tok/s", "decode tok/s", "speed-up", "of ceiling", "tok/step", "nodes/step",
                     "draft · inputs · forward · accept · trim (ms/step)", "identical", "mem MB"):
             t.add_column(col, justify="left" if col == "method" else "right")
@@ -195,11 +200,42 @@ def bench(
             split = " · ".join(f"{v:.1f}" for v in r["step_ms"].values()) if r.get("step_ms") else "–"
             t.add_row(m, f(r["tokens_per_s"]), f(r["decode_tokens_per_s"]), f(r["speedup"], "{:.2f}×"),
                       f(r.get("of_ceiling"), "{:.0%}"), f(r["mean_accepted"]), f(r["tree_nodes_per_step"]), split,
-                      f"{r['identical']}/{len(rows)}", f(r["drafter_memory_mb_4k"]))
+                      "–" if r["identical"] is None else f"{r['identical']}/{len(rows)}", f(r["drafter_memory_mb_4k"]))
         out.print(t)
         _print_machine(out, result)
 
     run(body)
+
+
+def _bench_dtype(model: str) -> str:
+    """What `generator.dtype: auto` runs for this model here (the machine's calibration, measured once) for a
+    bench-shaped ask: a 1,024-token prompt and a 128-token answer drafted by suffix. On CUDA: bfloat16."""
+    import torch
+
+    from ragspec.console import console
+    from ragspec.models.machine import resolve
+    from ragspec.settings import GeneratorSettings
+
+    if torch.cuda.is_available():
+        return "bfloat16"
+    choice = resolve(GeneratorSettings(model=model, backend="transformers"), "cpu", 1024, 128, "suffix",
+                     progress=lambda line: console.print(line))
+    console.print(f"--dtype auto: {choice.dtype} ({choice.reason})")
+    return choice.dtype
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _dtype_of(lm) -> str:
+    if getattr(lm, "ragspec_gguf", None):
+        return "gguf"
+    if getattr(lm, "ragspec_int8", None) is not None:
+        return "int8"
+    return str(next(lm.parameters()).dtype).removeprefix("torch.")
 
 
 def _merge_runs(paths: list[str], json_out: Path | None) -> None:
@@ -245,8 +281,8 @@ def _category_table(result: dict, model: str, backend: str, max_new_tokens: int)
         n = next(iter(row.values()))["prompts"]
         cells = [f"{v['speedup']:.2f}×" + (f" ({v['mean_accepted']:.2f})" if v["mean_accepted"] else "")
                  for v in row.values()]
-        same = sum(v["identical"] for v in row.values())
-        t.add_row(cat, str(n), *cells, f"{same}/{n * len(row)}")
+        checked = [v["identical"] for v in row.values() if v["identical"] is not None]  # `llama` is not compared
+        t.add_row(cat, str(n), *cells, f"{sum(checked)}/{n * len(checked)}")
     return t
 
 

@@ -69,16 +69,32 @@ def exact_attention(module, query, key, value, attention_mask, scaling, dropout=
     return out.reshape(b, h, q_len, d).to(query.dtype).transpose(1, 2).contiguous(), None
 
 
+def fast_prompt_attention(module, query, *args, **kwargs):
+    """Exact attention for up to `module.config.ragspec_prompt_rows` query rows (every draft step), PyTorch's
+    SDPA for more (prompt chunks: always read the same way, so their ulps never meet a draft tree's)."""
+    limit = getattr(module.config, "ragspec_prompt_rows", None)
+    if limit is not None and query.shape[2] > limit:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, *args, **kwargs)
+    return exact_attention(module, query, *args, **kwargs)
+
+
 def register() -> None:
     """Make `NAME` an attention implementation transformers knows (masks built as for eager: additive floats)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-    AttentionInterface.register(NAME, exact_attention)
+    AttentionInterface.register(NAME, fast_prompt_attention)
     AttentionMaskInterface.register(NAME, eager_mask)
 
 
-def use_exact_attention(model) -> None:
-    """Switch a loaded model to this attention."""
+def use_exact_attention(model, prompt_rows: int | None = None) -> None:
+    """Switch a loaded model to this attention; with `prompt_rows`, forwards of more query rows use SDPA."""
     register()
+    model.config.ragspec_prompt_rows = prompt_rows
+    for sub in model.modules():  # sub-configs (a text config under a multimodal one) read the same limit
+        cfg = getattr(sub, "config", None)
+        if cfg is not None and cfg is not model.config:
+            cfg.ragspec_prompt_rows = prompt_rows
     model.set_attn_implementation(NAME)

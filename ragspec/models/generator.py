@@ -14,11 +14,12 @@ log = logging.getLogger(__name__)
 
 
 def torch_dtype(name: str, what: str):
-    """The torch dtype the weights load in for a setting's name (int8 loads float32, then its linears are
-    quantised); a bad name is a one-line error."""
+    """The torch dtype the weights load in for a setting's name (int8 and gguf load float32, then their linears
+    are replaced); a bad name is a one-line error."""
     import torch
 
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.float32}
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.float32,
+              "gguf": torch.float32}
     if name not in dtypes:
         raise RagspecError(f"{what} dtype '{name}' is not one of {', '.join(dtypes)}")
     return dtypes[name]
@@ -36,12 +37,15 @@ def generator_source(name: str) -> str:
 
 def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
     """(model, tokenizer), the model in eval mode on `device`. On CPU its linears are packed for oneDNN
-    (float32; bfloat16 where oneDNN runs it) or, for dtype int8, quantised (`models/int8_linear.py`)."""
+    (float32; bfloat16 where oneDNN runs it) or, for dtype int8, quantised (`models/int8_linear.py`), or, for
+    dtype gguf, kept in the GGUF's own blocks (`models/gguf_linear.py`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dt = torch_dtype(dtype, "generator")
-    if dtype == "int8" and device != "cpu":
-        raise RagspecError("generator dtype int8 runs on CPU only: set generator.device: cpu, or use bfloat16 on cuda")
+    if dtype in ("int8", "gguf") and device != "cpu":
+        raise RagspecError(f"generator dtype {dtype} runs on CPU only: set generator.device: cpu, or use bfloat16 "
+                           "on cuda")
+    gguf_file = generator_gguf(name) if dtype == "gguf" else None
     source = generator_source(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -63,16 +67,44 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
         from ragspec.models.int8_linear import quantize_linears
 
         quantize_linears(model)  # every linear but lm_head, which pack_linears packs in float32
+    if dtype == "gguf":
+        from ragspec.models.gguf_linear import quantize_from_gguf
+
+        quantize_from_gguf(model, gguf_file)  # every linear, lm_head included
     pack_linears(model)  # CPU only; a no-op elsewhere
-    if device == "cpu" and dtype in ("int8", "bfloat16", "float16") and os.environ.get("RAGSPEC_EXACT_ATTENTION") != "0":
+    quantized = ("int8", "gguf", "bfloat16", "float16")
+    if device == "cpu" and dtype in quantized and os.environ.get("RAGSPEC_EXACT_ATTENTION") != "0":
         from ragspec.models.exact_attention import use_exact_attention
 
-        use_exact_attention(model)  # rounding amplifies attention's batch-dependent ulps: see the module
+        # rounding amplifies attention's batch-dependent ulps (see the module); gguf reads long prompt chunks
+        # with PyTorch's attention, as it reads them with its bf16 weight copy
+        use_exact_attention(model, prompt_rows=_gguf_prompt_rows() if dtype == "gguf" else None)
     elif device == "cpu":
         from ragspec.models.tree_attention import use_tree_attention
 
         use_tree_attention(model)  # tree steps read grouped key/value heads in place: see the module
     return model, tokenizer
+
+
+def generator_gguf(name: str):
+    """The GGUF file whose blocks dtype gguf runs: an embedded model's (assembled once), or a local .gguf."""
+    from pathlib import Path
+
+    embedded = lookup(name, "generator")
+    if embedded is not None:
+        from ragspec.models.gguf_cache import gguf_path
+
+        return gguf_path(embedded)
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    raise RagspecError(f"generator dtype gguf needs an embedded model or a local .gguf file, not '{name}'")
+
+
+def _gguf_prompt_rows() -> int:
+    from ragspec.models.gguf_linear import PROMPT_ROWS
+
+    return PROMPT_ROWS
 
 
 def load_llama_generator(name: str, n_ctx: int = 4096):

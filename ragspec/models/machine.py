@@ -155,6 +155,20 @@ def _transformers_int8(cpu: dict, model: str) -> str | None:
     return _transformers(cpu, model)
 
 
+def _transformers_gguf(cpu: dict, model: str) -> str | None:
+    import shutil
+
+    from ragspec.models.registry import lookup
+
+    if lookup(model, "generator") is None:
+        return "dtype gguf runs an embedded model's GGUF blocks"
+    if "avx2" not in cpu.get("flags", ()):
+        return "no AVX2: the GGUF kernels would run as plain C"
+    if not (shutil.which("c++") or shutil.which("g++")):
+        return "no C++ compiler to build the GGUF kernels"
+    return None
+
+
 def _llama(cpu: dict, model: str) -> str | None:
     from ragspec.decoding.backends.llama_cpp import available
 
@@ -181,6 +195,7 @@ CANDIDATES = (
     Candidate("transformers", "float32", _transformers),
     Candidate("transformers", "bfloat16", _transformers_bf16),
     Candidate("transformers", "int8", _transformers_int8),
+    Candidate("transformers", "gguf", _transformers_gguf),
     Candidate("llama.cpp", "gguf", _llama),
 )
 

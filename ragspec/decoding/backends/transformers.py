@@ -338,6 +338,7 @@ class TransformersBackend:
         h = hashlib.sha256(cfg.encode()).hexdigest()[:12]
         packed = "-packed" if getattr(model, "ragspec_packed_linears", 0) else ""  # other kernels, other costs
         int8 = f"-int8-{model.ragspec_int8}" if getattr(model, "ragspec_int8", "") else ""  # float32 parameters
+        int8 += "-gguf" if getattr(model, "ragspec_gguf", None) else ""  # GGUF blocks, float32 parameters
         attn = getattr(model.config, "_attn_implementation", None)
         attn = f"-{attn}" if attn and attn != "sdpa" else ""  # ragspec's own attention kernels cost otherwise
         return (f"{getattr(model.config, 'model_type', 'model')}-{h}-{dev.type}-{str(dtype).split('.')[-1]}"

@@ -1,0 +1,71 @@
+"""Build (once per CPU) and load the C++ kernels of `gguf_kernel.cpp`: `torch.ops.ragspec_gguf.*`.
+
+The kernels are compiled with `-march=native` for the CPU they run on (VNNI where it has it, AVX2's
+`maddubs` where not, plain C elsewhere), so the build is keyed by the CPU's flags and the source's hash, kept
+under `$RAGSPEC_HOME/kernels/`, and rebuilt only when either changes (about 30 s on 2 cores, shown as it runs).
+`-ffp-contract=off` keeps the float sums exactly as written: the batch invariance depends on it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import logging
+from pathlib import Path
+
+from ragspec.errors import RagspecError
+from ragspec.paths import ragspec_home
+
+SOURCE = Path(__file__).with_name("gguf_kernel.cpp")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17"]
+log = logging.getLogger(__name__)
+
+
+def build_key() -> str:
+    from ragspec.cpu_flags import flags_hash
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:10]
+    return f"gguf-{flags_hash()}-{digest}"
+
+
+@functools.lru_cache(maxsize=1)
+def load_kernels():
+    """`torch.ops.ragspec_gguf`, built here first if this CPU has no build of this source yet."""
+    import torch
+
+    if hasattr(torch.ops, "ragspec_gguf") and hasattr(torch.ops.ragspec_gguf, "qmatmul"):
+        return torch.ops.ragspec_gguf
+    key = build_key()
+    folder = ragspec_home() / "kernels" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    lib = folder / "ragspec_gguf.so"
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build per machine at a time; the others wait and load it
+        if not lib.is_file():
+            _build(folder, lib)
+    torch.ops.load_library(str(lib))
+    return torch.ops.ragspec_gguf
+
+
+def _build(folder: Path, lib: Path) -> None:
+    import os
+
+    from torch.utils import cpp_extension
+
+    from ragspec.console import status
+
+    os.environ.setdefault("MAX_JOBS", "2")
+    try:
+        with status(f"Compiling ragspec's GGUF kernels for this CPU once (about 30 s; kept in {folder})"):
+            cpp_extension.load(name="ragspec_gguf", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                               build_directory=str(folder), is_python_module=False, verbose=False)
+    except Exception as exc:  # no compiler, no ninja: one clear line
+        raise RagspecError(f"generator dtype gguf: its kernels did not build here ({exc.__class__.__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}); use dtype float32 or the llama.cpp "
+                           "backend") from exc
+    built = folder / "ragspec_gguf.so"
+    if not built.is_file():
+        raise RagspecError(f"generator dtype gguf: the kernel build left no library in {folder}")
+    if built != lib:
+        built.replace(lib)

@@ -1,0 +1,304 @@
+"""The shipped GGUF run as it ships (`generator.dtype: gguf`): each linear keeps its GGUF blocks as integers.
+
+Why: a one-token step on a CPU is bound by the bytes of weights it reads. De-quantized to float32 the 0.5B reads
+~2 GB a token; its GGUF's own 4-8-bit blocks are ~0.5 GB, what llama.cpp reads. So the weights stay in the
+GGUF's blocks, re-laid for one kernel (`gguf_kernel.cpp`), in three formats of 32-weight groups:
+
+| GGUF type | kernel format | how |
+|---|---|---|
+| Q4_0, Q4_1, Q4_K | u4: q 0..15, w = d·q + m | exact; Q4_K's 6-bit sub-scales × its fp16 super-scale (and min) rounded to fp16 |
+| Q5_0, Q5_1 | u5: q 0..31, w = d·q + m | exact (Q5_0's m = -16·d is exact in fp16) |
+| Q8_0 | s8: q -127..127, w = d·q | exact |
+| Q6_K, F16, BF16, F32, others | s8 | re-quantized from the de-quantized weights: d = max|w|/127 per group |
+
+Activations are quantized per row and per group of 32 to int8 (llama.cpp's Q8 rule), so the group's product is
+an exact integer and a row never depends on another: a token's logits are bit-identical alone or inside a
+draft tree (greedy stays identical to plain greedy of this same model for every drafter).
+
+Reading a prompt is another matter: hundreds of rows reuse every weight, so the bound is arithmetic, not bytes.
+Where the CPU has native bf16 (AVX512_BF16/AMX), each linear keeps a second, bf16 copy of its de-quantized
+weights packed for oneDNN and a forward of more than `PROMPT_ROWS` rows uses it (2 bytes a weight more memory).
+No draft step is that large (trees stop at 256), so every decode step runs the integer kernel, and a prompt is
+always read the same way: chunks of a long prompt in bf16, a short remainder in the integer kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+from torch import nn
+
+from ragspec.errors import RagspecError
+
+log = logging.getLogger(__name__)
+
+GROUP = 32
+FORMATS = {"u4": 0, "u5": 1, "s8": 2}
+PROMPT_ROWS = 320  # forwards of more rows than this (prompt chunks only; trees stop at 256) use the bf16 copy
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """fp16 values stored in two bytes of each block (the last axis), as float32."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes → [..., 32] values: ggml's order (low nibbles are elements 0-15, high 16-31)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """[..., 4] bytes (a little-endian uint32) → [..., 32] bits, bit i for element i."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")
+
+
+def _k4_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes → 8 six-bit scales and 8 six-bit mins (ggml's get_scale_min_k4)."""
+    s = scales.astype(np.uint8)
+    sc = np.empty(s.shape[:-1] + (8,), np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4] = s[..., 0:4] & 63
+    mn[..., :4] = s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def decode_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int):
+    """A GGUF tensor's raw blocks → (format, q [rows, cols] uint8 (u4/u5) or int8 (s8), d [rows, cols/32] float32,
+    m [rows, cols/32] float32 or None). d and m are exact; they are rounded to fp16 when packed."""
+    if cols % GROUP:
+        raise RagspecError(f"a GGUF linear of {cols} input features is not a multiple of {GROUP}")
+    g = cols // GROUP
+    b = np.asarray(raw, dtype=np.uint8).reshape(rows, -1)
+    if qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[qtype]
+        blk = b.reshape(rows, g, size)
+        d = _f16(blk[..., 0:2])
+        if qtype == "Q8_0":
+            return "s8", blk[..., 2:34].view(np.int8).reshape(rows, cols), d, None
+        has_min = qtype in ("Q4_1", "Q5_1")
+        m = _f16(blk[..., 2:4]) if has_min else None
+        at = 4 if has_min else 2
+        if qtype.startswith("Q4"):
+            q = _nibbles(blk[..., at : at + 16])
+            m = m if has_min else -8.0 * d
+            return "u4", q.reshape(rows, cols), d, m
+        q = _nibbles(blk[..., at + 4 : at + 20]) | (_high_bits(blk[..., at : at + 4]) << 4)
+        m = m if has_min else -16.0 * d
+        return "u5", q.reshape(rows, cols), d, m
+    if qtype == "Q4_K":
+        blk = b.reshape(rows, g // 8, 144)
+        dd, dmin = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
+        sc, mn = _k4_scales(blk[..., 4:16])
+        qs = blk[..., 16:144].reshape(rows, g // 8, 4, 32)
+        q = np.stack([qs & 0x0F, qs >> 4], axis=3)  # [rows, sb, 4, 2, 32]: sub-block 2i low nibbles, 2i+1 high
+        # ggml's Q4_K orders a sub-block's 32 values byte by byte; the u4 layout pairs element i with i+16
+        d = (dd[..., None] * sc).reshape(rows, g)
+        m = (-dmin[..., None] * mn).reshape(rows, g)
+        return "u4", q.reshape(rows, cols), d, m
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    w = dequantize(b, GGMLQuantizationType[qtype]).reshape(rows, cols).astype(np.float32)
+    return ("s8", *requantize_s8(w))
+
+
+def requantize_s8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    """Float weights → symmetric int8 per group of 32 (d = max|w|/127, rounded to fp16 first)."""
+    rows, cols = w.shape
+    wg = w.reshape(rows, cols // GROUP, GROUP)
+    d = (np.abs(wg).max(-1) / 127.0).astype(np.float16).astype(np.float32)
+    safe = np.where(d > 0, d, 1.0)
+    q = np.clip(np.rint(wg / safe[..., None]), -127, 127).astype(np.int8)
+    return q.reshape(rows, cols), d, None
+
+
+def _blocks8(a: np.ndarray) -> np.ndarray:
+    """[N, ...] → [N/8 (rounded up), 8, ...], zero rows added: the kernel runs outputs in blocks of 8."""
+    pad = -a.shape[0] % 8
+    if pad:
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)])
+    return a.reshape(a.shape[0] // 8, 8, *a.shape[1:])
+
+
+def pack(fmt: str, q: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """q values [N, K] → the kernel's bytes (w, wh), laid out as `gguf_kernel.cpp` says: per block of 8 outputs
+    and group of 32 inputs, 8 chunks of 4 inputs of each output (byte 4j + t of chunk c = q[8b + j][32g + 4c + t]);
+    u4/u5 pair chunk c with chunk c + 4 in one byte's nibbles, u5's fifth bits follow as 4 bytes a chunk."""
+    cols = q.shape[1]
+    g = cols // GROUP
+    qb = _blocks8(q).reshape(-1, 8, g, 8, 4).transpose(0, 2, 3, 1, 4)  # [b, g, c, j, t]
+    qc = np.ascontiguousarray(qb).reshape(-1, g, 8, 32)
+    if fmt == "s8":
+        return torch.from_numpy(np.ascontiguousarray(qc.view(np.uint8).reshape(-1, g, 256))), torch.empty(0, dtype=torch.uint8)
+    qc = qc.astype(np.uint8)
+    w = (qc[:, :, :4] & 0x0F) | ((qc[:, :, 4:] & 0x0F) << 4)
+    wh = (np.packbits((qc >> 4) & 1, axis=-1, bitorder="little").reshape(-1, g, 32) if fmt == "u5"
+          else np.empty((0,), np.uint8))
+    return torch.from_numpy(np.ascontiguousarray(w.reshape(-1, g, 128))), torch.from_numpy(np.ascontiguousarray(wh))
+
+
+def unpack(fmt: str, w: torch.Tensor, wh: torch.Tensor, rows: int) -> torch.Tensor:
+    """`pack`'s inverse: q [rows, K] as int16."""
+    nb, g = w.shape[0], w.shape[1]
+    if fmt == "s8":
+        qc = w.view(torch.int8).reshape(nb, g, 8, 32).to(torch.int16)
+    else:
+        b = w.reshape(nb, g, 4, 32).to(torch.int16)
+        qc = torch.cat([b & 0x0F, b >> 4], dim=2)
+        if fmt == "u5":
+            bits = wh.reshape(nb, g, 8, 4).to(torch.int16)
+            high = torch.stack([(bits >> i) & 1 for i in range(8)], dim=-1).reshape(nb, g, 8, 32)
+            qc = qc + 16 * high
+    q = qc.reshape(nb, g, 8, 8, 4).permute(0, 3, 1, 2, 4)  # [b, j, g, c, t]
+    return q.reshape(nb * 8, g * GROUP)[:rows]
+
+
+def _half_bits(a: np.ndarray | None) -> torch.Tensor:
+    """Scales [N, G] → fp16 bits [N/8, G, 8] (the kernel's layout), or an empty tensor for None."""
+    if a is None:
+        return torch.empty(0, dtype=torch.int16)
+    h = np.asarray(a, np.float32).astype(np.float16)
+    if not np.isfinite(h).all():
+        raise RagspecError("a GGUF block scale does not fit fp16")
+    hb = _blocks8(h.view(np.int16)).transpose(0, 2, 1)
+    return torch.from_numpy(np.ascontiguousarray(hb))
+
+
+def _unblock(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """[N/8, G, 8] fp16 bits → [rows, G] float32."""
+    return t.view(torch.float16).float().permute(0, 2, 1).reshape(-1, t.shape[1])[:rows]
+
+
+def prompt_copy_available() -> bool:
+    """A bf16 copy for prompts pays only where bf16 runs natively and oneDNN packs it."""
+    if os.environ.get("RAGSPEC_GGUF_PROMPT", "1") == "0":
+        return False
+    from ragspec.cpu_flags import native_bf16
+    from ragspec.models.cpu_linear import bf16_packing_available
+
+    return native_bf16() and bf16_packing_available()
+
+
+class GGUFLinear(nn.Module):
+    """`nn.Linear` (inference only) on a GGUF tensor's blocks: the integer kernel for up to `PROMPT_ROWS` rows,
+    a packed bf16 copy (where the CPU runs bf16 natively) for prompt chunks."""
+
+    def __init__(self, fmt: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, bias: torch.Tensor | None,
+                 gguf_type: str = "", prompt_copy: bool | None = None):
+        super().__init__()
+        from ragspec.models.gguf_kernel import load_kernels
+
+        self.ops = load_kernels()
+        self.out_features, self.in_features = q.shape
+        self.fmt, self.code, self.gguf_type = fmt, FORMATS[fmt], gguf_type
+        w, wh = pack(fmt, q)
+        self.register_buffer("w", w)
+        self.register_buffer("wh", wh)
+        self.register_buffer("d", _half_bits(d))
+        self.register_buffer("mn", _half_bits(m if fmt != "s8" else None))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.prompt = None
+        if prompt_copy if prompt_copy is not None else prompt_copy_available():
+            self.prompt = torch.ops.mkldnn._reorder_linear_weight(self.dequantize().to(torch.bfloat16), 16)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the kernel computes with, as float32 [out, in] (d and m as stored: fp16)."""
+        n, k = self.out_features, self.in_features
+        q = unpack(self.fmt, self.w, self.wh, n).float().reshape(n, k // GROUP, GROUP)
+        w = q * _unblock(self.d, n)[..., None]
+        if self.fmt != "s8":
+            w = w + _unblock(self.mn, n)[..., None]
+        return w.reshape(n, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.prompt is not None and x2.shape[0] > PROMPT_ROWS:
+            y = torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16).contiguous(), self.prompt, None,
+                                                    "none", [], "").float()
+        else:
+            xq, sx, xs = self.ops.quantize_rows(x2.float().contiguous())
+            y = self.ops.qmatmul(xq, sx, xs, self.w, self.wh, self.d, self.mn, self.code)
+            if y.shape[1] != self.out_features:
+                y = y[:, : self.out_features]
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{self.gguf_type}→{self.fmt}{', bf16 prompt copy' if self.prompt is not None else ''}")
+
+    def nbytes(self) -> tuple[int, int]:
+        """(bytes read by a decode step, bytes of the prompt copy)."""
+        step = sum(t.numel() * t.element_size() for t in (self.w, self.wh, self.d, self.mn))
+        return step, (self.out_features * self.in_features * 2 if self.prompt is not None else 0)
+
+
+# GGUF tensor name (per block) → the Hugging Face module name of llama-family models (Llama, Qwen2, SmolLM2)
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's rotary permutation of Llama's q/k weights (transformers' GGUF
+    loader undoes it the same way): rows grouped [head, half, pair] back to [head, pair, half]."""
+    dim = rows // heads // 2
+    return np.arange(rows).reshape(heads, dim, 2).swapaxes(1, 2).reshape(rows)
+
+
+def hf_module_name(gguf_name: str) -> str | None:
+    if gguf_name == "output.weight":
+        return "lm_head"
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}"
+    return None
+
+
+def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | None = None, head: bool = True) -> dict:
+    """Replace each linear of a CPU model loaded from `gguf_file` (the same weights, de-quantized) by a
+    `GGUFLinear` built from the file's own blocks; the lm_head too (from `output.weight`, or the tied
+    `token_embd.weight`) unless `head` is False. Returns {module name: GGUF type}."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_file))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    if arch not in ("llama", "qwen2"):
+        raise RagspecError(f"generator dtype gguf knows Llama and Qwen2 GGUFs, not '{arch}'")
+    cfg = model.config
+    tensors = {t.name: t for t in reader.tensors}
+    if head and "output.weight" not in tensors and "token_embd.weight" in tensors:
+        tensors["output.weight"] = tensors["token_embd.weight"]  # tied embedding: the head reads the same blocks
+    done = {}
+    for name, t in tensors.items():
+        target = hf_module_name(name)
+        if target is None or (target == "lm_head" and not head):
+            continue
+        module = model.get_submodule(target)
+        if not isinstance(module, nn.Linear):
+            raise RagspecError(f"generator dtype gguf: {target} is not a linear layer")
+        rows, cols = module.out_features, module.in_features
+        fmt, q, d, m = decode_blocks(t.data, t.tensor_type.name, rows, cols)
+        kind = name.split(".")[2] if name.startswith("blk.") else ""
+        if arch == "llama" and kind in ("attn_q", "attn_k"):
+            heads = cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads
+            order = _unpermute_rows(rows, heads)
+            q, d = q[order], d[order]
+            m = None if m is None else m[order]
+        parent_name, _, child = target.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, GGUFLinear(fmt, q, d, m, module.bias, t.tensor_type.name, prompt_copy))
+        done[target] = t.tensor_type.name
+    if not done:
+        raise RagspecError(f"generator dtype gguf: no linear of {gguf_file} matched the model")
+    model.ragspec_gguf = done
+    return done

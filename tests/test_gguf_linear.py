@@ -1,0 +1,252 @@
+"""dtype gguf (`models/gguf_linear.py`, `models/gguf_kernel.cpp`): the shipped GGUF's blocks run as integers.
+
+What is checked: the block mapping reproduces `gguf`'s own de-quantization (exactly where the GGUF's scales are
+fp16, within the fp16 rounding of Q4_K's scale products otherwise); the kernel computes the de-quantized weight
+times the int8-quantized activations (float rounding only); a row's output is bit-identical alone or inside any
+batch; and greedy draft-and-verify on SmolLM2 (Q4_1 linears, a Q8_0 tied head) equals plain greedy of the same
+model for every drafter that runs on transformers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from greedy_cases import PASSAGES, QUESTIONS, chat_prompt, reference
+
+from ragspec.decoding.budget import AdaptiveBudget, CostModel
+from ragspec.decoding.drafters import make_drafter
+from ragspec.decoding.generate import SpeculativeGenerator
+from ragspec.errors import RagspecError
+from ragspec.models.gguf_linear import (
+    GROUP,
+    PROMPT_ROWS,
+    GGUFLinear,
+    decode_blocks,
+    pack,
+    requantize_s8,
+    unpack,
+)
+from ragspec.models.registry import lookup, part_paths
+
+FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
+SMOL = "smollm2-135m-instruct"
+QWEN = "qwen2.5-coder-0.5b-instruct"
+
+
+def quantized_input(x: torch.Tensor) -> torch.Tensor:
+    """The activations as the kernel sees them: int8 per row and group of 32, de-quantized."""
+    g = x.reshape(x.shape[0], -1, GROUP)
+    amax = g.abs().amax(-1, keepdim=True)
+    q = torch.where(amax > 0, torch.round(g * (127.0 / amax)), torch.zeros_like(g)).clamp(-127, 127)
+    return (q * (amax / 127.0)).reshape(x.shape)
+
+
+def random_linear(fmt: str, rows: int, cols: int, seed: int = 0, bias: bool = False) -> GGUFLinear:
+    rng = np.random.default_rng(seed)
+    if fmt == "s8":
+        q, d, m = requantize_s8((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32))
+    else:
+        top = 16 if fmt == "u4" else 32
+        q = rng.integers(0, top, (rows, cols)).astype(np.uint8)
+        d = (rng.random((rows, cols // GROUP)) * 0.01).astype(np.float32)
+        m = (-rng.random((rows, cols // GROUP)) * 0.05).astype(np.float32)
+    b = torch.randn(rows) if bias else None
+    return GGUFLinear(fmt, q, d, m, b, prompt_copy=False)
+
+
+@pytest.mark.parametrize("fmt", ["u4", "u5", "s8"])
+def test_pack_round_trips(fmt):
+    rng = np.random.default_rng(1)
+    q = (rng.integers(-127, 128, (20, 64)).astype(np.int8) if fmt == "s8"
+         else rng.integers(0, 16 if fmt == "u4" else 32, (20, 64)).astype(np.uint8))
+    w, wh = pack(fmt, q)
+    assert np.array_equal(unpack(fmt, w, wh, 20).numpy(), q.astype(np.int16))
+
+
+@pytest.mark.parametrize("fmt", ["u4", "u5", "s8"])
+def test_kernel_equals_dequantized_reference(fmt):
+    """y = quantized x · Wᵀ within float rounding (the int8 activation error is in the reference too)."""
+    lin = random_linear(fmt, 200, 640, bias=True)  # 200 outputs: not a multiple of the kernel's 8
+    x = torch.randn(9, 640)
+    with torch.inference_mode():
+        y = lin(x)
+        ref = quantized_input(x) @ lin.dequantize().t() + lin.bias
+    assert y.shape == (9, 200)
+    assert ((y - ref).abs().max() / ref.abs().max()) < 1e-5
+    # and the activation quantization is what makes it differ from the float product: about 1 %
+    exact = x @ lin.dequantize().t() + lin.bias
+    assert ((y - exact).norm(dim=-1) / exact.norm(dim=-1)).max() < 0.03
+
+
+@pytest.mark.parametrize("fmt", ["u4", "u5", "s8"])
+def test_rows_are_independent(fmt):
+    """Every row is the same bits alone, in a 16-row tree, at any place in any batch (across the kernel's tiles
+    of 4 rows)."""
+    lin = random_linear(fmt, 136, 256, seed=2)
+    x = torch.randn(37, 256)
+    with torch.inference_mode():
+        full = lin(x)
+        for m in (1, 2, 3, 5, 7, 16, 17, 33):
+            assert torch.equal(lin(x[:m]), full[:m])
+        for i in (0, 5, 16, 36):
+            assert torch.equal(lin(x[i : i + 1]), full[i : i + 1])
+        assert torch.equal(lin(x[:16].reshape(1, 16, 256)), full[:16].reshape(1, 16, 136))  # 3-D input
+
+
+def test_zero_rows_and_bad_shapes():
+    lin = random_linear("u4", 16, 64)
+    with torch.inference_mode():
+        assert torch.equal(lin(torch.zeros(3, 64)), torch.zeros(3, 16))
+    with pytest.raises(RagspecError, match="multiple of 32"):
+        decode_blocks(np.zeros(10, np.uint8), "Q8_0", 1, 40)
+
+
+def _tensors(name: str, types: set[str]):
+    from gguf import GGUFReader
+
+    from ragspec.models.gguf_cache import gguf_path
+
+    reader = GGUFReader(str(gguf_path(lookup(name, "generator"))))
+    seen = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind in types and kind not in seen and len(t.shape) == 2:
+            seen[kind] = t
+    return seen
+
+
+def _check_mapping(t):
+    """decode_blocks, packed and de-quantized as the kernel stores it, against gguf's de-quantization."""
+    from gguf.quants import dequantize
+
+    cols, rows = (int(v) for v in t.shape)
+    rows = min(rows, 64)  # the first 64 output rows are plenty; the block format is the same everywhere
+    raw = np.asarray(t.data).reshape(int(t.shape[1]), -1)[:rows]
+    want = dequantize(raw, t.tensor_type).reshape(rows, cols).astype(np.float32)
+    fmt, q, d, m = decode_blocks(raw, t.tensor_type.name, rows, cols)
+    got = GGUFLinear(fmt, q, d, m, None, t.tensor_type.name, prompt_copy=False).dequantize().numpy()
+    return fmt, got, want, d, m
+
+
+def test_q4_1_and_q8_0_map_exactly():
+    """SmolLM2's Q4_1 linears and Q8_0 embedding (its tied head): fp16 scales as in the file, so exact."""
+    found = _tensors(SMOL, {"Q4_1", "Q8_0"})
+    assert set(found) == {"Q4_1", "Q8_0"}
+    for kind, t in found.items():
+        fmt, got, want, _, _ = _check_mapping(t)
+        assert fmt == {"Q4_1": "u4", "Q8_0": "s8"}[kind]
+        assert np.array_equal(got, want), kind
+
+
+def _installed(name: str) -> bool:
+    try:
+        part_paths(lookup(name, "generator"))
+    except RagspecError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _installed(QWEN), reason="the 0.5B's weight packages are not installed")
+def test_qwen_blocks_map_as_documented():
+    """Q5_0 exactly; Q4_K within the fp16 rounding of d·sc and dmin·m (2⁻¹¹ relative, times q ≤ 15);
+    Q6_K re-quantized to int8 per group (half a step of max|w|/127)."""
+    found = _tensors(QWEN, {"Q5_0", "Q4_K", "Q6_K"})
+    assert set(found) == {"Q5_0", "Q4_K", "Q6_K"}
+    fmt, got, want, _, _ = _check_mapping(found["Q5_0"])
+    assert fmt == "u5" and np.array_equal(got, want)
+    fmt, got, want, d, m = _check_mapping(found["Q4_K"])
+    bound = (np.abs(d) * 15 + np.abs(m)) * 2.0**-11
+    assert fmt == "u4"
+    assert (np.abs(got - want).reshape(*d.shape, GROUP) <= bound[..., None] * 1.0001 + 1e-12).all()
+    fmt, got, want, d, _ = _check_mapping(found["Q6_K"])
+    step = np.abs(want).reshape(*d.shape, GROUP).max(-1) / 127
+    assert fmt == "s8"
+    assert (np.abs(got - want).reshape(*d.shape, GROUP) <= step[..., None] * 0.5 * 1.01 + 1e-9).all()
+
+
+# -- the whole model ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol_gguf():
+    from ragspec.models.generator import load_generator
+
+    return load_generator(SMOL, dtype="gguf")
+
+
+@pytest.fixture(scope="module")
+def gguf_cases(smol_gguf):
+    model, tok = smol_gguf
+    eos = sorted(SpeculativeGenerator(model, tok).eos)
+    out = []
+    for q, p in QUESTIONS:
+        prompt = chat_prompt(tok, PASSAGES[p], q)
+        assert len(prompt) <= PROMPT_ROWS  # read by the integer kernel, as every step is
+        out.append((prompt, reference(model, prompt, 40, eos)))
+    return out
+
+
+def test_every_linear_runs_the_gguf_blocks(smol_gguf):
+    model, _ = smol_gguf
+    layers = model.config.num_hidden_layers
+    kinds = model.ragspec_gguf
+    assert len(kinds) == 7 * layers + 1 and kinds["lm_head"] == "Q8_0"
+    assert sum(isinstance(m, GGUFLinear) for m in model.modules()) == 7 * layers + 1
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert model.config._attn_implementation == "ragspec_exact"
+
+
+@pytest.mark.parametrize("method", ["none", "pld", "trie", "suffix", "lookahead", "ngrammys", "auto",
+                                    "pldplus-h", "pldplus-a"])
+def test_greedy_matches_plain_greedy(smol_gguf, gguf_cases, method):
+    model, tok = smol_gguf
+    accepted = 0
+    for prompt, ref in gguf_cases:
+        gen = SpeculativeGenerator(model, tok, drafter=make_drafter(method, model, tok), max_new_tokens=40,
+                                   budget=AdaptiveBudget(FLAT))
+        gen.generate(prompt)
+        assert gen.tokens == ref, method
+        accepted += gen.stats.accepted_draft_tokens
+    assert accepted > 0 or method == "none"
+
+
+def test_long_prompt_reads_the_bf16_copy_and_still_matches(smol_gguf):
+    """A prompt longer than PROMPT_ROWS is read in bf16 chunks (where bf16 is native); both plain greedy and
+    drafting read it the same way, so the answers still agree token for token."""
+    model, tok = smol_gguf
+    passage = " ".join(PASSAGES * 6)
+    prompt = chat_prompt(tok, passage, QUESTIONS[1][0])
+    assert len(prompt) > PROMPT_ROWS
+    eos = sorted(SpeculativeGenerator(model, tok).eos)
+    ref = reference(model, prompt, 24, eos)
+    gen = SpeculativeGenerator(model, tok, drafter=make_drafter("suffix"), max_new_tokens=24,
+                               budget=AdaptiveBudget(FLAT))
+    gen.generate(prompt)
+    assert gen.tokens == ref
+
+
+def test_gguf_is_cpu_only_and_named_in_the_cost_key(smol_gguf):
+    from ragspec.decoding.backends.transformers import TransformersBackend
+    from ragspec.models.generator import load_generator
+    from ragspec.settings import GeneratorSettings
+
+    model, _ = smol_gguf
+    assert TransformersBackend.cost_key(model).endswith("-gguf")
+    assert GeneratorSettings(dtype="gguf").dtype == "gguf"
+    with pytest.raises(RagspecError, match="CPU only"):
+        load_generator(SMOL, device="cuda", dtype="gguf")
+    with pytest.raises(RagspecError, match=r"embedded model or a local \.gguf"):
+        load_generator("/nonexistent/model", dtype="gguf")
+
+
+def test_logits_follow_the_float_model(smol_gguf):
+    """The blocks are laid out right (Llama's q/k rows un-permuted as transformers does): the GGUF model's logits
+    track the de-quantized float32 model's (measured: 98 % same top-1, cosine ≥ 0.99 on every position)."""
+    from ragspec.models.generator import load_generator
+
+    model, tok = smol_gguf
+    ref, _ = load_generator(SMOL, dtype="float32")
+    prompt = chat_prompt(tok, PASSAGES[0], QUESTIONS[1][0])
+    with torch.inference_mode():
+        a, b = model(torch.tensor([prompt])).logits[0], ref(torch.tensor([prompt])).logits[0]
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.97
