@@ -178,6 +178,34 @@ def test_unavailable_and_failing_candidates_are_recorded_with_why(home):
     assert choose(tab, 1000, 100).reason.startswith("no candidate")
 
 
+def test_processes_starting_together_calibrate_once(tmp_path):
+    """One calibration per machine at a time: a second caller waits for the first's table and reads it, so both
+    choose from the same figures (two server replicas once chose different dtypes from their own runs)."""
+    import threading
+
+    calls, lines = [], []
+
+    def slow(cpu, model):
+        calls.append(model)
+        time.sleep(1.0)
+        return "not here"
+
+    cands = (Candidate("transformers", "float32", slow),)
+    out = [None, None]
+
+    def run(i):
+        out[i] = machine.machine_table(SMOL, candidates=cands, cache_dir=tmp_path, progress=lines.append)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    threads[0].start()
+    time.sleep(0.3)
+    threads[1].start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and out[0] == out[1]
+    assert any("waiting for its table" in line for line in lines)
+
+
 def test_models_calibrate_prints_the_table(home, table):
     r = CliRunner().invoke(app, ["models", "--calibrate", "--model", SMOL])
     assert r.exit_code == 0, r.output

@@ -246,9 +246,12 @@ def test_window_embeddings_are_remembered_across_asks(embedder):
     again = measure(Counting(), "Which sea does the Danube reach?", sources, memo=memo)
     plain = measure(embedder, "Which sea does the Danube reach?", sources)
     assert len(calls[0]) > 3 and calls[1] == ["Which sea does the Danube reach?"]
-    assert abs(again.score - plain.score) < 1e-5 and first.score != again.score
+    # remembered windows were embedded in another batch: float32 rounds alike (6e-8 seen), bf16 embeddings (the
+    # auto choice on CPUs with native bf16) round by batch (3e-4 seen on a Zen 4)
+    tol = 1e-5 if embedder.dtype == "float32" else 2e-3
+    assert abs(again.score - plain.score) < tol and first.score != again.score
     for a, b in zip(again.windows, plain.windows):
-        assert np.allclose(a, b, atol=1e-5)
+        assert np.allclose(a, b, atol=tol)
     small = EmbeddingMemo(capacity=2)
     measure(embedder, "Where does the Danube rise?", sources, memo=small)
     assert len(small.vectors) == 2

@@ -272,15 +272,23 @@ def test_llama_cpp_assembles_from_the_store(llama_smol, smol):
     plan = SourcePlan(store, b.head, b.pieces)
     list(gen.stream(b.ids, b.segments, sources=plan))
     assert plan.hits == 4 and not plan.fallback
-    ref, logits, pos = [], source_kv_llama.assemble(m, b.ids, SourcePlan(store, b.head, b.pieces)), len(b.ids)
+    ref, margins = [], []
+    logits, pos = source_kv_llama.assemble(m, b.ids, SourcePlan(store, b.head, b.pieces)), len(b.ids)
     while len(ref) < 30:
         t = int(np.argmax(logits))
+        top2 = np.sort(logits)[-2:]
         ref.append(t)
+        margins.append(float(top2[1] - top2[0]))
         if t in gen.eos:
             break
         m.decode([(t, pos, [0], True)])
         logits, pos = m.row(0), pos + 1
-    assert gen.tokens == ref
+    if gen.tokens != ref:
+        # llama.cpp's multi-row kernels are not row-invariant on every CPU (its AVX-512 paths, Zen 4): a draft
+        # tree's row may differ from a one-token decode by an ulp-sized gap (docs/decoding.md). A divergence is
+        # allowed only at a near-tie of the one-token reference, and everything before it must agree.
+        at = next(i for i, (x, y) in enumerate(zip(gen.tokens + [-1], ref)) if x != y)
+        assert margins[at] < 0.05, (at, margins[at], gen.tokens, ref)
     assert isinstance(LlamaCppBackend(m).prefill(b.ids, sources=SourcePlan(store, b.head, b.pieces)), float)
 
 

@@ -96,18 +96,25 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, int64_
     const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(dp + g));
     __m256 mv = _mm256_setzero_ps();
     if constexpr (FMT != 2) mv = _mm256_cvtph_ps(_mm_loadu_si128(mp + g));
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xr = xq + r * K + g * GROUP;
-      __m256i isum = _mm256_setzero_si256();
-      for (int c = 0; c < 8; ++c) {
+    // R rows side by side, two integer accumulators each: independent dot-product chains keep the units busy
+    // (one chain of 8 dependent vpdpbusd would wait on its latency). Integer sums are exact in any order.
+    __m256i isum[2][R];
+    for (int r = 0; r < R; ++r) isum[0][r] = isum[1][r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
         int32_t four;
-        std::memcpy(&four, xr + 4 * c, 4);
+        std::memcpy(&four, xq + r * K + g * GROUP + 4 * c, 4);
         __m256i xb = _mm256_set1_epi32(four);
         if constexpr (FMT == 2) xb = _mm256_sign_epi8(xb, sg[c]);
-        isum = dot_acc(isum, u[c], xb);
+        isum[c & 1][r] = dot_acc(isum[c & 1][r], u[c], xb);
       }
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dv, _mm256_set1_ps(sx[r * G + g])), acc[r]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256i total = _mm256_add_epi32(isum[0][r], isum[1][r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dv, _mm256_set1_ps(sx[r * G + g])), acc[r]);
       if constexpr (FMT != 2) macc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * G + g]), macc[r]);
     }
   }

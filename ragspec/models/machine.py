@@ -13,6 +13,7 @@ for) or runs out of memory costs that candidate, recorded with why, never the ca
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -234,12 +235,34 @@ def machine_table(model: str, force: bool = False, cache_dir: Path | None = None
     candidate in a child process) and cached. `progress(line)` hears one line per candidate."""
     cpu = cpu_info()
     path = table_path(model, cache_dir, cpu, candidates)
-    if path.exists() and not force:
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            pass  # a damaged file is measured again
+    if not force and (table := _read_table(path)) is not None:
+        return table
     say = progress or (lambda line: None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # one calibration per machine at a time: processes starting together (two server replicas, a server and a
+    # notebook) would measure each other's load, and each would choose from its own figures. The second waits
+    # for the first's table and reads it, so every process on the machine makes the same choice.
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say("another process is calibrating this model on this machine: waiting for its table…")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if (table := _read_table(path)) is not None:
+                return table
+        if not force and (table := _read_table(path)) is not None:
+            return table
+        return _measure_table(model, path, cpu, candidates, say)
+
+
+def _read_table(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except (OSError, ValueError):
+        return None  # a damaged file is measured again
+
+
+def _measure_table(model: str, path: Path, cpu: dict, candidates, say: Callable[[str], None]) -> dict:
     rows = []
     for c in candidates:
         row = {"backend": c.backend, "dtype": c.dtype}
@@ -265,7 +288,6 @@ def machine_table(model: str, force: bool = False, cache_dir: Path | None = None
              "versions": {"python": platform.python_version(), "torch": _torch_version(),
                           "llama_cpp_python": _llama_version()},
              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "candidates": rows}
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(table, indent=2))
     tmp.replace(path)
