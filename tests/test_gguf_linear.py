@@ -180,7 +180,7 @@ def gguf_cases(smol_gguf):
     out = []
     for q, p in QUESTIONS:
         prompt = chat_prompt(tok, PASSAGES[p], q)
-        assert len(prompt) <= PROMPT_ROWS  # read by the integer kernel, as every step is
+        assert len(prompt) <= PROMPT_ROWS
         out.append((prompt, reference(model, prompt, 40, eos)))
     return out
 
@@ -209,9 +209,9 @@ def test_greedy_matches_plain_greedy(smol_gguf, gguf_cases, method):
     assert accepted > 0 or method == "none"
 
 
-def test_long_prompt_reads_the_bf16_copy_and_still_matches(smol_gguf):
-    """A prompt longer than PROMPT_ROWS is read in bf16 chunks (where bf16 is native); both plain greedy and
-    drafting read it the same way, so the answers still agree token for token."""
+def test_long_prompt_still_matches(smol_gguf):
+    """A prompt longer than PROMPT_ROWS (the bf16 copy's threshold when it is turned on) is read by the integer
+    kernel by default; plain greedy and drafting agree token for token."""
     model, tok = smol_gguf
     passage = " ".join(PASSAGES * 6)
     prompt = chat_prompt(tok, passage, QUESTIONS[1][0])

@@ -76,8 +76,8 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
     if device == "cpu" and dtype in quantized and os.environ.get("RAGSPEC_EXACT_ATTENTION") != "0":
         from ragspec.models.exact_attention import use_exact_attention
 
-        # rounding amplifies attention's batch-dependent ulps (see the module); gguf reads long prompt chunks
-        # with PyTorch's attention, as it reads them with its bf16 weight copy
+        # rounding amplifies attention's batch-dependent ulps (see the module); gguf with its bf16 prompt copy
+        # (opt-in) reads long prompt chunks with PyTorch's attention, as it reads them with that copy
         use_exact_attention(model, prompt_rows=_gguf_prompt_rows() if dtype == "gguf" else None)
     elif device == "cpu":
         from ragspec.models.tree_attention import use_tree_attention
@@ -101,10 +101,11 @@ def generator_gguf(name: str):
     raise RagspecError(f"generator dtype gguf needs an embedded model or a local .gguf file, not '{name}'")
 
 
-def _gguf_prompt_rows() -> int:
-    from ragspec.models.gguf_linear import PROMPT_ROWS
+def _gguf_prompt_rows() -> int | None:
+    """Rows above which dtype gguf reads with PyTorch's attention: only with its bf16 prompt copy (opt-in)."""
+    from ragspec.models.gguf_linear import PROMPT_ROWS, prompt_copy_available
 
-    return PROMPT_ROWS
+    return PROMPT_ROWS if prompt_copy_available() else None
 
 
 def load_llama_generator(name: str, n_ctx: int = 4096):

@@ -16,10 +16,11 @@ an exact integer and a row never depends on another: a token's logits are bit-id
 draft tree (greedy stays identical to plain greedy of this same model for every drafter).
 
 Reading a prompt is another matter: hundreds of rows reuse every weight, so the bound is arithmetic, not bytes.
-Where the CPU has native bf16 (AVX512_BF16/AMX), each linear keeps a second, bf16 copy of its de-quantized
-weights packed for oneDNN and a forward of more than `PROMPT_ROWS` rows uses it (2 bytes a weight more memory).
-No draft step is that large (trees stop at 256), so every decode step runs the integer kernel, and a prompt is
-always read the same way: chunks of a long prompt in bf16, a short remainder in the integer kernel.
+With RAGSPEC_GGUF_PROMPT=1, where the CPU has native bf16 (AVX512_BF16/AMX), each linear keeps a second, bf16
+copy of its de-quantized weights packed for oneDNN and a forward of more than `PROMPT_ROWS` rows uses it (2 bytes
+a weight more memory). No draft step is that large (trees stop at 256), but a prompt partly served by the prefix
+cache is read in fewer rows than the same prompt fresh, so that path is opt-in; by default every forward runs
+the integer kernel.
 """
 
 from __future__ import annotations
@@ -175,8 +176,11 @@ def _unblock(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def prompt_copy_available() -> bool:
-    """A bf16 copy for prompts pays only where bf16 runs natively and oneDNN packs it."""
-    if os.environ.get("RAGSPEC_GGUF_PROMPT", "1") == "0":
+    """A bf16 copy for prompts: opt-in (RAGSPEC_GGUF_PROMPT=1), and only where bf16 runs natively and oneDNN
+    packs it. Off by default because the path then depends on a forward's row count, and a prompt whose start
+    comes from the prefix cache reads its remainder in fewer rows than a fresh one: the two would take different
+    kernels and could answer differently (seen: two serve replicas, 5-7 of 8 answers as asked alone)."""
+    if os.environ.get("RAGSPEC_GGUF_PROMPT", "0") != "1":
         return False
     from ragspec.cpu_flags import native_bf16
     from ragspec.models.cpu_linear import bf16_packing_available
