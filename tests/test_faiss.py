@@ -107,3 +107,25 @@ def test_soar_assignment_rules():
 
 def test_spilling_needs_the_exact_reranking():
     assert plan_index(40_000, 384, refine=False).spill == 0
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if __import__("torch").cuda.is_available() else []))
+def test_torch_exact_search_matches_flat_faiss(device):
+    """Where FAISS has no GPU build, a cuda index searches exactly in torch: same ids and scores as FAISS's flat
+    index, filters applied inside (fewer allowed than k leaves -1s, as FAISS does)."""
+    from ragspec.index.torch_search import TorchExactIndex
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((500, 48)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    q = x[:7] + 0.1 * rng.standard_normal((7, 48)).astype(np.float32)
+    flat = faiss_index.build(x, plan_index(len(x), 48, "flat"))
+    exact = TorchExactIndex(x, device)
+    s1, i1 = faiss_index.search(flat, q, 10)
+    s2, i2 = faiss_index.search(exact, q, 10)
+    assert (i1 == i2).all() and np.allclose(s1, s2, atol=1e-5)
+    allowed = np.array([3, 40, 41, 499], dtype=np.int64)
+    s1, i1 = faiss_index.search(flat, q, 10, allowed)
+    s2, i2 = faiss_index.search(exact, q, 10, allowed)
+    assert (i1 == i2).all() and np.allclose(s1[i1 >= 0], s2[i2 >= 0], atol=1e-5)
+    assert set(i2[0]) == set(allowed.tolist())

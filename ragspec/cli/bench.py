@@ -125,6 +125,7 @@ def bench(
     backend: str = typer.Option("transformers", "--backend", help="transformers or llama.cpp (the GGUF as shipped)"),
     dtype: str = typer.Option("auto", "--dtype", help="transformers: float32, bfloat16, int8, gguf, or auto (what "
                                                       "generator.dtype auto picks on this machine)"),
+    device: str = typer.Option("auto", "--device", help="transformers: auto (cuda when present), cpu or cuda"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     budget: str = typer.Option("auto", "--budget", help="draft tree size: auto (cost-aware) or a number"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result JSON here"),
@@ -156,8 +157,9 @@ def bench(
 
             lm, tok = load_llama_generator(model)
         else:
-            dt = _bench_dtype(model) if dtype == "auto" else dtype
-            lm, tok = load_generator(model, "cpu" if dt in ("int8", "gguf") else _default_device(), dt)
+            dev = _bench_device(device, dtype)
+            dt = _bench_dtype(model, dev) if dtype == "auto" else dtype
+            lm, tok = load_generator(model, dev, dt)
         peer = "llama-pld" if backend == "llama.cpp" else "hf-pld"
         chosen = methods or f"vanilla,{peer},pld,trie,suffix,oracle"
         b = budget if budget == "auto" else int(budget)
@@ -207,16 +209,29 @@ def bench(
     run(body)
 
 
-def _bench_dtype(model: str) -> str:
-    """What `generator.dtype: auto` runs for this model here (the machine's calibration, measured once) for a
-    bench-shaped ask: a 1,024-token prompt and a 128-token answer drafted by suffix. On CUDA: bfloat16."""
+def _bench_device(device: str, dtype: str) -> str:
+    """The device a transformers bench runs on: cuda when asked or (auto) present; int8 and gguf are CPU kernels."""
     import torch
 
+    if device not in ("auto", "cpu", "cuda"):
+        raise RagspecError(f"--device must be auto, cpu or cuda, not '{device}'")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RagspecError("--device cuda: torch sees no CUDA device on this machine")
+    if dtype in ("int8", "gguf"):
+        if device == "cuda":
+            raise RagspecError(f"--dtype {dtype} runs on the CPU only; on cuda use bfloat16 or float32")
+        return "cpu"
+    return _default_device() if device == "auto" else device
+
+
+def _bench_dtype(model: str, device: str = "cpu") -> str:
+    """What `generator.dtype: auto` runs for this model here (the machine's calibration, measured once) for a
+    bench-shaped ask: a 1,024-token prompt and a 128-token answer drafted by suffix. On CUDA: bfloat16."""
     from ragspec.console import console
     from ragspec.models.machine import resolve
     from ragspec.settings import GeneratorSettings
 
-    if torch.cuda.is_available():
+    if device == "cuda":
         return "bfloat16"
     choice = resolve(GeneratorSettings(model=model, backend="transformers"), "cpu", 1024, 128, "suffix",
                      progress=lambda line: console.print(line))

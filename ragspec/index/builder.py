@@ -263,6 +263,12 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
     with console.status(f"FAISS {plan.factory} over {n} vectors") if show_progress else _null():
         index = faiss_index.build(vectors, plan, use_gpu=settings.device == "cuda")
         faiss_index.write(index, tmp / FAISS)
+    if settings.device == "cuda":
+        from ragspec.index.torch_search import which_search
+
+        gpu = faiss_index.gpu_available()
+        summary.notes.append(f"device cuda: embedded on cuda; FAISS built on the {'GPU' if gpu else 'CPU'}; searches "
+                             f"on cuda run {which_search('cuda')}")
     if settings.bm25:
         from ragspec.index import bm25
 

