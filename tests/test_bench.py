@@ -141,3 +141,16 @@ def test_bench_replay_over_recorded_outputs(tmp_path):
     saved.write_text(json.dumps({**run, "cost_model": None}))
     fixed = CliRunner().invoke(app, ["bench-replay", str(saved), "--prompts", str(prompts)])
     assert fixed.exit_code != 0 and "fixed --budget" in fixed.output
+    # --cost: the same outputs projected on another t(n) (a GPU's flat curve): labelled, nothing measured beside
+    flat = tmp_path / "curve.json"
+    flat.write_text(json.dumps({"what": "random weights", "cost_model": {"sizes": [1, 32], "ms": [20.0, 21.0]}}))
+    proj = CliRunner().invoke(app, ["bench-replay", str(saved), "--prompts", str(prompts), "--methods", "suffix",
+                                    "--cost", str(flat), "--json", str(tmp_path / "proj.json")])
+    assert proj.exit_code == 0, proj.output
+    p = json.loads((tmp_path / "proj.json").read_text())
+    assert p["projection"]["cost_model"]["ms"] == [20.0, 21.0] and "projection" in p["projection"]["note"]
+    row = p["categories"]["summarization"]["suffix"]
+    assert row["measured_decode_speedup"] is None and row["decode_speedup_model"] > rows["suffix"]["decode_speedup_model"]
+    flat.write_text("{}")
+    broken = CliRunner().invoke(app, ["bench-replay", str(saved), "--prompts", str(prompts), "--cost", str(flat)])
+    assert broken.exit_code != 0 and "not a JSON with a cost_model" in broken.output

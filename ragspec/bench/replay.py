@@ -76,13 +76,14 @@ REPLAYABLE = ("none", "pld", "trie", "suffix", "auto", "oracle")  # drafters tha
 
 
 def replay_result(result: dict, prompts: dict, tokenizer, methods: list[str], params: dict | None = None,
-                  progress=None) -> dict:
+                  progress=None, cost: CostModel | None = None) -> dict:
     """Replay `methods` over the recorded vanilla outputs of a `ragspec bench` result (one category or several),
     with that run's own t(n): per category and method the tokens per step, nodes per step and the modelled
     decode speed-up over plain steps (Σ t(1) over Σ t(1 + tree)), beside the run's measured decode speed-up
     when it ran that method. `prompts` maps question_id (str) → prompt row; `params` → drafter settings per
     method. One drafter and one budget per category and method, as in the bench (the budget learns across the
-    category's prompts)."""
+    category's prompts). `cost`: another t(n) to model every step with (a GPU curve, a bigger model's): a
+    projection of these outputs onto that verifier, so nothing measured is set beside it."""
     from ragspec.bench.decoding import chat_ids
     from ragspec.decoding.drafters import make_drafter
 
@@ -95,17 +96,17 @@ def replay_result(result: dict, prompts: dict, tokenizer, methods: list[str], pa
     out = {"model": result.get("model"), "max_new_tokens": result.get("max_new_tokens"), "categories": {}}
     for cat, r in cats.items():
         recorded = r.get("vanilla_outputs") or {}
-        if not recorded or not r.get("cost_model"):
+        if not recorded or not (r.get("cost_model") or cost):
             continue  # an older result (no outputs kept) or a fixed budget (no t(n) measured)
-        cost = CostModel(**r["cost_model"])
+        step_cost = cost or CostModel(**r["cost_model"])
         max_new = r.get("max_new_tokens") or result.get("max_new_tokens") or 128
         ids = {qid: chat_ids(tokenizer, prompts[qid]["turns"][0]) for qid in recorded if qid in prompts}
         rows = {}
         for m in methods:
             drafter = make_drafter(m, **(params or {}).get(m, {}))
-            budget = 256 if m == "oracle" else AdaptiveBudget(cost)
+            budget = 256 if m == "oracle" else AdaptiveBudget(step_cost)
             if m == "oracle":
-                drafter.cost = cost
+                drafter.cost = step_cost
             total, replayed = Replay(), 0
             for qid, output in recorded.items():
                 if qid not in ids:
@@ -113,12 +114,12 @@ def replay_result(result: dict, prompts: dict, tokenizer, methods: list[str], pa
                 replayed += 1
                 if m == "oracle":
                     drafter.reference = list(output)
-                total.add(replay(drafter, budget, cost, ids[qid], output, max_new))
+                total.add(replay(drafter, budget, step_cost, ids[qid], output, max_new))
                 if progress:
                     progress()
-            plain_ms = total.tokens * cost.time(1)
-            measured = r.get("methods", {}).get(m)
-            van = r.get("methods", {}).get("vanilla")
+            plain_ms = total.tokens * step_cost.time(1)
+            measured = None if cost else r.get("methods", {}).get(m)  # a projection: not that run's machine
+            van = None if cost else r.get("methods", {}).get("vanilla")
             if not replayed:
                 break  # none of this category's prompts is in the prompts file
             rows[m] = {"prompts": replayed, "tokens_per_step": round(total.tokens / max(total.steps, 1), 3),

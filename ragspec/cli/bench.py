@@ -20,9 +20,13 @@ def bench_replay(
     methods: str = typer.Option("pld,suffix,auto,oracle", "--methods", help="replayable: none, pld, trie, suffix, "
                                 "auto, oracle"),
     json_out: Path | None = typer.Option(None, "--json", help="write the replay JSON here"),
+    cost_path: Path | None = typer.Option(None, "--cost", help="model the steps with this t(n) instead of the "
+                                          "run's own (a JSON with a cost_model, e.g. examples/gpu_check.py curve's): "
+                                          "a projection, never a measurement"),
 ):
     """Replay drafters over a bench run's recorded greedy outputs, without the model: tokens per step and the
-    decode speed-up modelled from that run's t(n), beside what the run measured (tune here, confirm with bench)."""
+    decode speed-up modelled from that run's t(n), beside what the run measured (tune here, confirm with bench).
+    With --cost, the same outputs projected onto another verifier's t(n) (a GPU, a bigger model)."""
 
     def body():
         quiet_libraries()
@@ -47,21 +51,37 @@ def bench_replay(
                     obj = json.loads(line)
                     rows[str(obj.get("question_id"))] = obj
         chosen = [m.strip() for m in methods.split(",") if m.strip()]
+        cost = None
+        if cost_path is not None:
+            from ragspec.decoding.budget import CostModel
+
+            try:
+                curve = json.loads(cost_path.read_text(encoding="utf-8"))
+                cost = CostModel(**{k: curve["cost_model"][k] for k in ("sizes", "ms")})
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise RagspecError(f"--cost {cost_path}: not a JSON with a cost_model of sizes and ms ({e})") from e
         tok = AutoTokenizer.from_pretrained(generator_source(result.get("model") or "qwen2.5-coder-0.5b-instruct"))
         cats = result["categories"] if "categories" in result else {result.get("category"): result}
         total = sum(len(r.get("vanilla_outputs") or {}) for r in cats.values()) * len(chosen)
         if not total:
             raise RagspecError(f"{result_path} keeps no vanilla outputs (a run from before they were recorded)")
-        if not any(r.get("cost_model") for r in cats.values()):
+        if cost is None and not any(r.get("cost_model") for r in cats.values()):
             raise RagspecError(f"{result_path} was run with a fixed --budget: it measured no t(n) to model steps with")
         with progress() as bar:
             task = bar.add_task("replaying", total=total)
-            out = replay_result(result, rows, tok, chosen, progress=lambda: bar.advance(task))
+            out = replay_result(result, rows, tok, chosen, progress=lambda: bar.advance(task), cost=cost)
+        if cost is not None:
+            out["projection"] = {"cost_from": str(cost_path), "cost_model": cost.as_dict(),
+                                 "what": curve.get("what", "another verifier's t(n)"),
+                                 "note": "a projection: these outputs' drafts and steps, timed by that t(n)"}
         if not out["categories"]:
             raise RagspecError(f"none of the prompts recorded in {result_path} is in {prompts} (another prompts file?)")
         if json_out:
             write_json_atomic(json_out, out)
-        t = Table(title=f"replay of {result_path.name}: modelled decode speed-up (tokens/step), measured beside")
+        title = (f"replay of {result_path.name} projected on {cost_path.name}'s t(n): modelled decode speed-up "
+                 "(tokens/step)" if cost is not None else
+                 f"replay of {result_path.name}: modelled decode speed-up (tokens/step), measured beside")
+        t = Table(title=title)
         t.add_column("category", justify="left")
         for m in chosen:
             t.add_column(m, justify="right")
