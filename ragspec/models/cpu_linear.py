@@ -81,6 +81,12 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put `new` where the submodule at dotted path `name` is: how packed, int8 and GGUF linears swap in."""
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
 def pack_linears(model: nn.Module, batch_hint: int = 16) -> int:
     """Replace each `nn.Linear` of a CPU float32 model (bfloat16 where oneDNN has bf16 kernels) by a
     `PackedLinear`; returns how many.
@@ -95,9 +101,7 @@ def pack_linears(model: nn.Module, batch_hint: int = 16) -> int:
         return 0
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
     for name, mod in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(mod, batch_hint))
+        replace_module(model, name, PackedLinear(mod, batch_hint))
     if targets:
         model.ragspec_packed_linears = len(targets)
     return len(targets)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ragspec.errors import RagspecError
+from ragspec.models.cpu_linear import replace_module
 
 log = logging.getLogger(__name__)
 
@@ -298,9 +299,7 @@ def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | None = N
             order = _unpermute_rows(rows, heads)
             q, d = q[order], d[order]
             m = None if m is None else m[order]
-        parent_name, _, child = target.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, GGUFLinear(fmt, q, d, m, module.bias, t.tensor_type.name, prompt_copy))
+        replace_module(model, target, GGUFLinear(fmt, q, d, m, module.bias, t.tensor_type.name, prompt_copy))
         done[target] = t.tensor_type.name
     if not done:
         raise RagspecError(f"generator dtype gguf: no linear of {gguf_file} matched the model")

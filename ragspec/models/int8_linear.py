@@ -32,6 +32,7 @@ from torch import nn
 
 from ragspec.cpu_flags import native_int8
 from ragspec.errors import RagspecError
+from ragspec.models.cpu_linear import replace_module
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +147,7 @@ def quantize_linears(model: nn.Module, kernel: str | None = None) -> int:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear and mod is not head]
     for name, mod in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(mod, kernel))
+        replace_module(model, name, Int8Linear(mod, kernel))
     model.ragspec_int8 = kernel if targets else ""
     if targets and kernel == "fp32" and not native_int8():
         log.warning("generator dtype int8: this CPU has no int8 units (VNNI/AMX), so int8 runs as exact fp32 GEMMs, "

@@ -139,7 +139,9 @@ def _forward(model, cache, ids: list[int], start: int, cancel=None, on_chunk=Non
 def _new_cache(model):
     from transformers import DynamicCache
 
-    return DynamicCache(config=model.config)
+    from ragspec.decoding.backends.growing_cache import growing
+
+    return growing(DynamicCache(config=model.config))
 
 
 def head_entry(model, store, head: list[int], cancel=None) -> tuple[torch.Tensor, bool]:

@@ -15,6 +15,7 @@ import torch
 
 from ragspec.decoding.backends.accept import accept_greedy, accept_sampled, new_generator, walk_greedy
 from ragspec.decoding.backends.base import StepResult, check_cancel, chunks
+from ragspec.decoding.backends.growing_cache import growing
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.tree import DraftTree
 
@@ -77,7 +78,7 @@ class TransformersBackend:
         # sliding-window layers (Gemma 3, Mistral-style) keep every key here, hidden by the mask instead: a
         # windowed cache would drop keys our tree rows and cache trimming still index
         self.window = sliding_window(self.model.config)
-        self.cache = DynamicCache() if self.window else DynamicCache(config=self.model.config)
+        self.cache = DynamicCache() if self.window else growing(DynamicCache(config=self.model.config))
         self.cached = 0
         self.root = int(prompt_ids[-1])
         self._hidden = None  # [capacity, d] buffer of layer-`hidden_layer` states of cached positions
@@ -355,7 +356,7 @@ class TransformersBackend:
         ctx = torch.randint(100, min(vocab, 30000), (1, context), generator=gen).to(dev)
         ms = []
         with torch.inference_mode():
-            cache = DynamicCache(config=model.config)
+            cache = growing(DynamicCache(config=model.config))  # as the steps run it
             model(input_ids=ctx, **cache_arg(model, cache), use_cache=True, logits_to_keep=1)
             for n in sizes:
                 ids = torch.randint(100, min(vocab, 30000), (1, n), generator=gen).to(dev)
