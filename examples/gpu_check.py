@@ -72,9 +72,11 @@ def cmd_env(a) -> None:
     smi = shutil.which("nvidia-smi")
     info = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm",
                            "--format=csv,noheader"], capture_output=True, text=True).stdout.strip() if smi else None
+    import torch
+
     from ragspec.index.torch_search import which_search
 
-    device = "cuda" if versions["torch"] and __import__("torch").cuda.is_available() else "cpu"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     write(a.out, "env.json", {"machine": machine(), "packages": versions, "nvidia_smi": info,
                               "index_search_on_" + device: which_search(device)})
 

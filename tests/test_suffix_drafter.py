@@ -5,7 +5,6 @@ confidence budget (plain steps when nothing pays), and a repeated question draft
 from __future__ import annotations
 
 import pytest
-import torch
 from greedy_cases import chat_prompt, reference
 from test_engine_greedy import run
 
@@ -152,17 +151,3 @@ def test_memory_drafts_a_repeated_answer(smol, cases):
     memory.add([1, 2, 3], [4, 5])
     memory.add([6, 7], [8])
     assert len(memory) == 2 and (1, 2, 3, 4, 5) in memory._entries
-
-
-def test_cuda_if_available(smol, cases):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device on this machine")
-    from ragspec.models.generator import load_generator
-
-    model, tok = load_generator("smollm2-135m-instruct", device="cuda")
-    prompt, _ = cases[0]
-    eos = sorted(SpeculativeGenerator(model, tok).eos)
-    ref = reference(model, prompt, 48, eos)
-    gen = SpeculativeGenerator(model, tok, drafter=SuffixDrafter(), max_new_tokens=48)
-    gen.generate(prompt)
-    assert gen.tokens == ref
