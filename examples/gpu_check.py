@@ -110,6 +110,8 @@ def numbered_tokenizer(vocab: int):
 def cmd_curve(a) -> None:
     import torch
 
+    from ragspec.decoding.backends import describe
+    from ragspec.decoding.backends.static_verifier import StaticBackend
     from ragspec.decoding.backends.transformers import TransformersBackend
     from ragspec.decoding.budget import CostModel
     from ragspec.decoding.drafters import make_drafter
@@ -122,6 +124,8 @@ def cmd_curve(a) -> None:
     load_s = time.perf_counter() - t
     sizes = list(range(1, 17)) + [24, 32, 48, 64, 96, 128, 160, 192, 224, 256] if a.device == "cuda" else [1, 2, 4, 8, 16]
     ms = TransformersBackend.measure_costs(model, a.context, a.repeats, sizes)
+    # the static verifier's steps (CUDA graph replays on a GPU, eager elsewhere) over the same cache length
+    static_ms = StaticBackend.measure_costs(model, a.context, a.repeats, sizes)
     prefill = {}
     with torch.inference_mode():
         for n in (a.context, 4 * a.context):
@@ -138,11 +142,18 @@ def cmd_curve(a) -> None:
     # one ragspec generation with plain steps: what the Python around a forward costs per step
     tok = numbered_tokenizer(model.config.vocab_size)
     prompt = torch.randint(100, 30000, (a.context,)).tolist()
-    for _ in range(2):  # the second run is measured
-        gen = SpeculativeGenerator(model, tok, drafter=make_drafter("none"), max_new_tokens=a.steps,
-                                   eos_token_ids=[-1], budget=1)
-        gen.generate(prompt)
-    s = gen.stats
+    plain = {}
+    for choice in ("0", "1"):  # the dynamic verifier, then the static one (graphs on CUDA)
+        os.environ["RAGSPEC_STATIC_VERIFIER"] = choice
+        for _ in range(2):  # the second run is measured
+            gen = SpeculativeGenerator(model, tok, drafter=make_drafter("none"), max_new_tokens=a.steps,
+                                       eos_token_ids=[-1], budget=1)
+            gen.generate(prompt)
+        s = gen.stats
+        plain["static" if choice == "1" else "dynamic"] = {
+            "verifier": describe(model), "steps": s.steps, "draft": round(s.draft_ms / s.steps, 3),
+            **{k: round(v / s.steps, 3) for k, v in s.step_ms.items()}}
+    os.environ.pop("RAGSPEC_STATIC_VERIFIER")
     params = sum(p.numel() for p in model.parameters())
     cost = CostModel(sizes, ms)
     result = {"what": f"random weights in {a.shape}'s shape: speed only", "shape": a.shape,
@@ -152,10 +163,13 @@ def cmd_curve(a) -> None:
               "cost_model": cost.as_dict(), "t1_ms": round(cost.ms[0], 3),
               "t_over_t1": {str(n): round(v / cost.ms[0], 3) for n, v in zip(sizes, cost.ms)},
               "prefill": prefill,
-              "plain_step_ms": {"steps": s.steps, "draft": round(s.draft_ms / s.steps, 3),
-                                **{k: round(v / s.steps, 3) for k, v in s.step_ms.items()}}}
+              "static": {"ms_measured": [round(v, 3) for v in static_ms], "t1_ms": round(static_ms[0], 3),
+                         "t_over_t1": {str(n): round(v / static_ms[0], 3) for n, v in zip(sizes, static_ms)},
+                         "graphs": a.device == "cuda"},
+              "plain_step_ms": plain}
     write(a.out, f"curve-{a.shape}-{a.device}.json", result)
-    print(json.dumps({k: result[k] for k in ("shape", "t1_ms", "prefill", "plain_step_ms")}), flush=True)
+    print(json.dumps({k: result[k] for k in ("shape", "t1_ms", "prefill", "plain_step_ms")}
+                     | {"static_t1_ms": result["static"]["t1_ms"]}), flush=True)
 
 
 def build(corpus: Path, target: Path, embedder: str, device: str):
@@ -218,6 +232,9 @@ def cmd_summary(a) -> None:
         lines.append(f"{c['shape']} ({c['parameters'] / 1e9:.2f} B, {c['dtype']}): t(1) {c['t1_ms']} ms; t(n)/t(1) "
                      + ", ".join(f"{n}: {t[n]}" for n in ("16", "64", "128", "256") if n in t)
                      + "; prefill " + ", ".join(f"{n}: {v['tokens_per_s']:.0f} tok/s" for n, v in c["prefill"].items())
+                     + (f"; static t(1) {c['static']['t1_ms']} ms, t(n)/t(1) "
+                        + ", ".join(f"{n}: {c['static']['t_over_t1'][n]}" for n in ("16", "64", "256")
+                                    if n in c['static']['t_over_t1']) if "static" in c else "")
                      + f"; plain step {c['plain_step_ms']}")
     junit = a.out / "tests.xml"
     if junit.exists():

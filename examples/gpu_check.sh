@@ -29,7 +29,8 @@ PROMPTS=${PROMPTS:-$WORK/pay/question.jsonl}
 CORPUS=${CORPUS:-$WORK/corpus/python-3.11-docs}
 EMBEDDER=${EMBEDDER:-$([ -d "$WORK/pay/minilm" ] && echo "$WORK/pay/minilm" || echo all-minilm-l6-v2)}
 if [ "$QUICK" = 1 ]; then LIMIT=1 NEW=8 METHODS=vanilla,suffix SHAPES=tiny SAMPLE=3 DTYPE=float32
-else DTYPE=${DTYPE:-float32}  # bfloat16 logits tie (0.125 apart): greedy can't be compared token for token LIMIT=${LIMIT:-10} NEW=${NEW:-128} METHODS=${METHODS:-vanilla,hf-pld,pld,suffix,oracle}
+else DTYPE=${DTYPE:-float32}  # bfloat16 logits tie (0.125 apart): greedy can't be compared token for token
+     LIMIT=${LIMIT:-10} NEW=${NEW:-128} METHODS=${METHODS:-vanilla,hf-pld,none,pld,suffix,oracle}
      SHAPES=${SHAPES:-qwen2.5-7b} SAMPLE=${SAMPLE:-60}; fi
 
 gather() {  # what this call carried, into $WORK/pay (kept while the machine is warm)
@@ -59,7 +60,7 @@ curve() {
 }
 tests() {
   export RAGSPEC_TEST_EMBEDDER="$EMBEDDER"
-  local files="tests/test_cuda.py"
+  local files="tests/test_cuda.py tests/test_static_verifier.py"
   [ "$QUICK" = 1 ] || files="$files tests/test_engine_families.py tests/test_faiss.py"
   $PY -m pytest -q -p no:cacheprovider -o addopts="" -rs --durations=10 $files --junitxml "$OUT/tests.xml" \
     2>&1 | tee "$OUT/tests.log" | tail -40

@@ -132,6 +132,37 @@ def test_tree_mask_and_forward_on_the_device():
         assert torch.allclose(logits[node + 1], ref, atol=2e-3 * ref.abs().max().item()), node
 
 
+def test_static_verifier_replays_graphs():
+    """On the device the static verifier captures each bucket's forward as a CUDA graph (no capture error),
+    and each node's row of a replayed tree forward equals the last row of a plain forward over its path; the
+    loop picks it there by default (`RAGSPEC_STATIC_VERIFIER=auto`), so the greedy tests above ran through it."""
+    from ragspec.decoding.backends import backend_class
+    from ragspec.decoding.backends.static_verifier import StaticBackend
+    from ragspec.decoding.sampling import SamplingSettings
+
+    model, tok = smol("float32")
+    if DEVICE == "cuda":
+        assert backend_class(model) is StaticBackend
+    t = DraftTree()
+    t.add_chain([5, 6, 7])
+    t.add_chain([4, 11, 12, 13])
+    prompt = chat_prompt(tok, PASSAGES[1], QUESTIONS[1][0])
+    backend = StaticBackend(model, SamplingSettings())
+    backend.prefill(prompt)
+    for _ in range(2):  # the first call captures (on CUDA), the second replays
+        logits = backend.score(t).float()
+    assert backend.graph_error is None
+    assert bool(backend._graphs) == (DEVICE == "cuda")
+    for node in range(len(t)):
+        path, n = [], node
+        while n >= 0:
+            path.append(t.tokens[n])
+            n = t.parents[n]
+        with torch.inference_mode():
+            ref = model(torch.tensor([prompt + path[::-1]], device=DEVICE)).logits[0, -1].float()
+        assert torch.allclose(logits[node + 1], ref, atol=2e-3 * ref.abs().max().item()), node
+
+
 def test_source_cache_rerotation_and_assembly_on_the_device():
     """Re-rotated keys equal keys computed at the target position; assembly with every source token recomputed
     equals a full prefill."""

@@ -30,7 +30,9 @@ def test_device_check_runs_on_the_cpu(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "(exit 1)" not in r.stdout and "(exit 2)" not in r.stdout, r.stdout[-3000:]
     curve = json.loads((out / "curve-tiny-cpu.json").read_text())
-    assert curve["cost_model"]["sizes"][0] == 1 and curve["plain_step_ms"]["steps"] > 0
+    assert curve["cost_model"]["sizes"][0] == 1 and curve["plain_step_ms"]["static"]["steps"] > 0
+    assert curve["plain_step_ms"]["dynamic"]["steps"] > 0 and len(curve["static"]["ms_measured"]) == len(
+        curve["ms_measured"])
     bench = json.loads((out / "bench-smollm2-cpu.json").read_text())
     for cat in ("summarization", "rag"):
         assert bench["categories"][cat]["methods"]["suffix"]["identical"] == 1

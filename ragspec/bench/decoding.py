@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ragspec.cpu_flags import read_cpuinfo
-from ragspec.decoding.backends import calibrate, is_llama
+from ragspec.decoding.backends import calibrate, describe, is_llama
 from ragspec.decoding.backends.base import PREFILL_CHUNK
 from ragspec.decoding.budget import AdaptiveBudget
 from ragspec.decoding.drafters import METHODS, make_drafter
@@ -311,7 +311,7 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
             "budget": budget if isinstance(budget, int) else "auto", "cost_model": cost.as_dict() if cost else None,
             "machine": bench_machine(), "device": str(getattr(model, "device", "cpu")),
             "source_budget": None,  # Spec-Bench prompts are sent whole (no prompt.source_tokens); see per_prompt
-            "backend": "llama.cpp" if is_llama(model) else "transformers"}
+            "backend": describe(model)}
 
     def summary(done: int) -> dict:
         return {**_summarize(acc, hist, divergences, identical, memory, methods, done, len(prompts), head),

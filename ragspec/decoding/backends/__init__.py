@@ -24,17 +24,32 @@ def backend_class(model):
         from ragspec.decoding.backends.llama_cpp import LlamaCppBackend
 
         return LlamaCppBackend
+    from ragspec.decoding.backends.static_verifier import StaticBackend, wanted
     from ragspec.decoding.backends.transformers import TransformersBackend
 
-    return TransformersBackend
+    return StaticBackend if wanted(model) else TransformersBackend
 
 
 def make_backend(model, sampling, hidden_layer=None, attention_heads=(), predictions=False) -> Backend:
-    """A fresh verifier for one generation on `model`. `predictions`: return every row's argmax per step."""
+    """A fresh verifier for one generation on `model`. `predictions`: return every row's argmax per step.
+    PLD+ drafters (hidden states, attention rows) run on the dynamic transformers backend."""
+    cls = backend_class(model)
+    if hidden_layer is not None or attention_heads:
+        from ragspec.decoding.backends.transformers import TransformersBackend
+
+        cls = TransformersBackend if cls.__name__ == "StaticBackend" else cls
     if predictions:
-        return backend_class(model)(model, sampling, hidden_layer=hidden_layer, attention_heads=attention_heads,
-                                    predictions=True)
-    return backend_class(model)(model, sampling, hidden_layer=hidden_layer, attention_heads=attention_heads)
+        return cls(model, sampling, hidden_layer=hidden_layer, attention_heads=attention_heads, predictions=True)
+    return cls(model, sampling, hidden_layer=hidden_layer, attention_heads=attention_heads)
+
+
+def describe(model) -> str:
+    """Which verifier runs this model's generations, in words (for benchmark records)."""
+    cls = backend_class(model)
+    if cls.__name__ != "StaticBackend":
+        return cls.name
+    graphs = next(model.parameters()).device.type == "cuda" and cls.graphs_wanted()
+    return "transformers static cache" + (" + CUDA graphs" if graphs else "")
 
 
 def cost_key(model) -> str:
@@ -62,4 +77,4 @@ def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | Non
     return model_cost
 
 
-__all__ = ["NAMES", "Backend", "StepResult", "backend_class", "calibrate", "cost_key", "is_llama", "make_backend"]
+__all__ = ["NAMES", "Backend", "StepResult", "backend_class", "calibrate", "cost_key", "describe", "is_llama", "make_backend"]

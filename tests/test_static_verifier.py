@@ -1,0 +1,144 @@
+"""The static verifier (decoding/backends/static_verifier.py), run eagerly on the CPU with the real SmolLM2:
+greedy through drafters equals `generate`, a tree's rows equal the dynamic backend's, the slot cache doubles
+mid-generation without changing a token, forks are independent, sampling through it keeps the distribution, and
+the choice of backend follows `RAGSPEC_STATIC_VERIFIER` (PLD+ drafters stay on the dynamic one). On a GPU the same
+steps replay CUDA graphs: tests/test_cuda.py runs every drafter through them there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragspec.decoding import backends
+from ragspec.decoding.backends import static_verifier
+from ragspec.decoding.backends.static_verifier import StaticBackend, bucket
+from ragspec.decoding.backends.transformers import TransformersBackend
+from ragspec.decoding.budget import AdaptiveBudget, CostModel
+from ragspec.decoding.drafters import make_drafter
+from ragspec.decoding.generate import SpeculativeGenerator
+from ragspec.decoding.sampling import SamplingSettings
+from ragspec.decoding.tree import DraftTree
+
+pytestmark = pytest.mark.slow
+FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [10, 10, 10, 10.2, 10.4, 10.8, 11.6, 13, 16])
+
+
+@pytest.fixture
+def static(monkeypatch):
+    monkeypatch.setenv("RAGSPEC_STATIC_VERIFIER", "1")
+
+
+def branching_tree() -> DraftTree:
+    t = DraftTree()
+    t.add_chain([5, 6, 7])
+    t.add_chain([5, 9])
+    t.add_chain([4, 11, 12, 13])
+    return t
+
+
+def test_buckets_and_the_choice(smol, monkeypatch):
+    assert [bucket(n) for n in (1, 2, 3, 9, 256)] == [1, 2, 4, 16, 256]
+    with pytest.raises(ValueError, match="largest bucket"):
+        bucket(257)
+    model, _ = smol
+    monkeypatch.setenv("RAGSPEC_STATIC_VERIFIER", "auto")  # auto: on CUDA only
+    assert backends.backend_class(model) is TransformersBackend
+    monkeypatch.setenv("RAGSPEC_STATIC_VERIFIER", "1")
+    assert backends.backend_class(model) is StaticBackend
+    assert type(backends.make_backend(model, SamplingSettings())) is StaticBackend
+    assert type(backends.make_backend(model, SamplingSettings(), hidden_layer=3)) is TransformersBackend
+    assert backends.cost_key(model).endswith("-static")
+
+
+@pytest.mark.parametrize("method", ["none", "pld", "suffix", "trie", "lookahead"])
+def test_greedy_matches_generate(static, smol, cases, method):
+    model, tok = smol
+    accepted = 0
+    for prompt, ref in cases:
+        gen = SpeculativeGenerator(model, tok, drafter=make_drafter(method, model, tok), max_new_tokens=48,
+                                   budget=AdaptiveBudget(FLAT))
+        gen.generate(prompt)
+        assert gen.tokens == ref, method
+        accepted += gen.stats.accepted_draft_tokens
+    assert accepted > 0 or method == "none"
+
+
+def test_tree_rows_equal_the_dynamic_backend(smol, cases):
+    model, _ = smol
+    prompt = cases[0][0]
+    tree = branching_tree()
+    dynamic, fixed = TransformersBackend(model, SamplingSettings()), StaticBackend(model, SamplingSettings())
+    dynamic.prefill(prompt)
+    fixed.prefill(prompt)
+    assert torch.equal(dynamic._root_logits, fixed._root_logits) or torch.allclose(
+        dynamic._root_logits, fixed._root_logits, atol=1e-4)
+    want, got = dynamic.score(tree).float(), fixed.score(tree).float()
+    assert got.shape == want.shape == (1 + len(tree), model.config.vocab_size)
+    assert torch.allclose(got, want, atol=1e-3 * want.abs().max().item())
+    assert fixed.cached == len(prompt)  # scoring keeps nothing
+    # a step down one branch keeps that path: the next step's rows see it, as the dynamic backend's do
+    for backend in (dynamic, fixed):
+        backend.step(tree)
+    nxt = DraftTree()
+    nxt.add_chain([3, 8])
+    assert dynamic.cached == fixed.cached
+    assert torch.allclose(fixed.score(nxt).float(), dynamic.score(nxt).float(), atol=1e-3 * want.abs().max().item())
+
+
+def test_cache_doubles_mid_generation(static, smol, cases, monkeypatch):
+    """A cache of little room beyond the prompt grows (twice) while drafts run: the tokens stay greedy's."""
+    model, tok = smol
+    monkeypatch.setattr(static_verifier, "ROOM", 8)
+    monkeypatch.setattr(static_verifier, "_capacity", lambda slots: slots)  # no power-of-two headroom
+    prompt, ref = cases[1]
+    gen = SpeculativeGenerator(model, tok, drafter=make_drafter("suffix", model, tok), max_new_tokens=48,
+                               budget=AdaptiveBudget(FLAT))
+    grown = []
+    real = StaticBackend._grow
+    monkeypatch.setattr(StaticBackend, "_grow", lambda self, cap: (grown.append(cap), real(self, cap)))
+    gen.generate(prompt)
+    assert gen.tokens == ref and len(grown) >= 2
+
+
+def test_forks_are_independent(smol, cases):
+    model, _ = smol
+    prompt = cases[0][0]
+    base = StaticBackend(model, SamplingSettings())
+    base.prefill(prompt)
+    a, b = base.fork(), base.fork()
+    first = a.step(branching_tree()).tokens
+    b.step(DraftTree())  # b takes another path; a and base must not see it
+    again = base.fork().step(branching_tree()).tokens
+    assert first == again and base.cached == len(prompt)
+
+
+def test_sampling_keeps_the_distribution(smol):
+    """Draws of the first two tokens from one static forward over a branching tree follow the model's joint."""
+    from test_engine_sampling import SAMPLES, SETTINGS, assert_follows, chat, draft_tree, exact_joint
+
+    from ragspec.decoding.backends.accept import accept_sampled
+
+    model, tok = smol
+    prompt = chat(tok, "Name one colour of the rainbow.")
+    p1, joint = exact_joint(model, prompt)
+    tree = draft_tree(p1, joint)
+    v = StaticBackend(model, SETTINGS)
+    v.prefill(prompt)
+    logits = v.score(tree)
+    gen = torch.Generator().manual_seed(7)
+    counts: dict = {}
+    for _ in range(SAMPLES):
+        path, bonus = accept_sampled(tree, logits, SETTINGS, gen)
+        toks = [tree.tokens[i] for i in path] + [bonus]
+        if len(toks) < 2:
+            nxt = sorted(k[1] for k in joint if k[0] == toks[0])
+            w = torch.tensor([joint[(toks[0], x)] for x in nxt])
+            toks.append(nxt[int(torch.multinomial(w / w.sum(), 1, generator=gen))])
+        counts[(toks[0], toks[1])] = counts.get((toks[0], toks[1]), 0) + 1
+    assert_follows(joint, counts)
+
+
+def test_calibration_measures_steps(smol):
+    model, _ = smol
+    ms = StaticBackend.measure_costs(model, 64, 1, [1, 8])
+    assert len(ms) == 2 and all(m > 0 for m in ms)
