@@ -100,6 +100,27 @@ def test_cache_doubles_mid_generation(static, smol, cases, monkeypatch):
     assert gen.tokens == ref and len(grown) >= 2
 
 
+def test_generations_reuse_the_cache_unless_held(smol, cases):
+    """A closed generation hands its slot cache (and on CUDA its graphs) to the model's next one; a generation
+    running beside another gets its own."""
+    model, _ = smol
+    prompt = cases[0][0]
+    static_verifier._HELD.pop(model, None)  # a backend of an earlier test, never closed, may hold it
+    first = StaticBackend(model, SamplingSettings())
+    first.prefill(prompt)
+    kept = first.cache
+    beside = StaticBackend(model, SamplingSettings())
+    beside.prefill(prompt)
+    assert beside.cache is not kept
+    tokens = first.step(branching_tree()).tokens
+    first.close()
+    beside.close()
+    nxt = StaticBackend(model, SamplingSettings())
+    nxt.prefill(prompt)
+    assert nxt.cache is kept and nxt.step(branching_tree()).tokens == tokens
+    nxt.close()
+
+
 def test_forks_are_independent(smol, cases):
     model, _ = smol
     prompt = cases[0][0]

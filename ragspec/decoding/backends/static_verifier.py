@@ -6,7 +6,9 @@ Here each layer's cache is one preallocated buffer. A step's rows (root + tree) 
 4, … 256 rows written at the slots that follow the cached prefix; a mask over the whole buffer shows each row
 its prefix and its ancestors and hides the rest (padding, rows of earlier steps that were not accepted). A
 bucket's forward is captured once as a CUDA graph and then replayed: one launch a step. Accepting a path moves
-its out-of-place rows; nothing is trimmed, rows past the cached length are hidden and later overwritten.
+its out-of-place rows; nothing is trimmed, rows past the cached length are hidden and later overwritten. The
+cache, the input buffers and the graphs outlive a generation: the model's next generation reuses them (a capture
+costs a few forwards, too much to pay per answer), unless another generation holds them at that moment.
 
 Without CUDA the same path runs eagerly (the tests check it on the CPU); `RAGSPEC_STATIC_VERIFIER` picks it:
 `auto` (default: on CUDA), `1` (everywhere), `0` (never). A generation that needs what only the dynamic
@@ -16,9 +18,13 @@ source KV cache and a prefix store are not used here (a GPU reads a prompt at ~3
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 import warnings
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -46,6 +52,30 @@ def bucket(rows: int) -> int:
         if rows <= size:
             return size
     raise ValueError(f"a step of {rows} rows is over the largest bucket ({BUCKETS[-1]})")
+
+
+@dataclass
+class Held:
+    """A slot cache with its input buffers and captured graphs, kept per model between generations."""
+
+    cache: DynamicCache | None = None
+    graphs: dict = field(default_factory=dict)  # bucket -> (graph, its logits output)
+    inputs: dict = field(default_factory=dict)  # bucket -> (int buffer [3, N]: ids, positions, slots; mask)
+    busy: bool = False
+
+
+_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Held
+_LOCK = threading.Lock()
+
+
+def acquire(model) -> Held:
+    """The model's kept cache and graphs, marked busy; a private set while another generation holds them."""
+    with _LOCK:
+        held = _HELD.setdefault(model, Held())
+        if held.busy:
+            return Held(busy=True)
+        held.busy = True
+        return held
 
 
 class Slots:
@@ -104,8 +134,7 @@ class StaticBackend(TransformersBackend):
             raise ValueError("the static verifier keeps no hidden states or attention rows: use TransformersBackend")
         self.graphs_enabled = self.device.type == "cuda" and self.graphs_wanted()
         self.graph_error: str | None = None  # why capture failed, if it did (the steps then run eagerly)
-        self._graphs: dict[int, tuple] = {}  # bucket -> (graph, its logits output)
-        self._inputs: dict[int, tuple] = {}  # bucket -> (int buffer [3, N]: ids, positions, slots; mask)
+        self._held: Held | None = None
         self.window = None
 
     @staticmethod
@@ -124,8 +153,14 @@ class StaticBackend(TransformersBackend):
         if sources is not None:
             sources.fallback = "the static (CUDA graph) verifier computes the prompt"
         t = time.perf_counter()
-        self.cache = slot_cache(self.model.config, _capacity(len(prompt_ids) + ROOM))
-        self._graphs, self._inputs = {}, {}
+        self.close()
+        self._held = held = acquire(self.model)
+        need = _capacity(len(prompt_ids) + ROOM)
+        if held.cache is None or held.cache.layers[0].capacity < need:
+            held.cache = slot_cache(self.model.config, need)
+            held.graphs.clear()
+            held.inputs.clear()
+        self.cache = held.cache
         self.cached, self.root, self._hidden = 0, int(prompt_ids[-1]), None
         total = len(prompt_ids)
         lo = torch.finfo(self.dtype).min
@@ -180,6 +215,21 @@ class StaticBackend(TransformersBackend):
             logits = torch.cat([self._root_logits[None].to(logits.dtype), logits])
         return logits, None, first, t1
 
+    @property
+    def _graphs(self) -> dict:
+        return self._held.graphs
+
+    @property
+    def _inputs(self) -> dict:
+        return self._held.inputs
+
+    def close(self) -> None:
+        """Hand the cache and graphs back for the model's next generation."""
+        super().close()
+        if self._held is not None:
+            self._held.busy = False
+            self._held = None
+
     def _buffers(self, size: int):
         if size not in self._inputs:
             ints = torch.zeros((3, size), dtype=torch.long, device=self.device)
@@ -199,7 +249,7 @@ class StaticBackend(TransformersBackend):
             return self._forward_bucket(size)
         if size not in self._graphs:
             try:
-                self._graphs[size] = self._capture(size)
+                self._graphs[size] = self._record(size)
             except Exception as err:  # noqa: BLE001 - an op that cannot be captured: run eagerly from now on
                 self.graph_error = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
                 self.graphs_enabled = False
@@ -211,7 +261,7 @@ class StaticBackend(TransformersBackend):
         graph.replay()
         return out
 
-    def _capture(self, size: int):
+    def _record(self, size: int):
         """Warm the bucket's forward up on a side stream (as torch's CUDA graph docs ask), then capture it."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -227,7 +277,8 @@ class StaticBackend(TransformersBackend):
     def _grow(self, capacity: int) -> None:
         for layer in self.cache.layers:
             layer.grow(capacity)
-        self._graphs, self._inputs = {}, {}
+        self._graphs.clear()
+        self._inputs.clear()
 
     @torch.inference_mode()
     def score(self, tree: DraftTree):
@@ -257,11 +308,11 @@ class StaticBackend(TransformersBackend):
 
         twin = copy.copy(self)
         twin.cache = slot_cache(self.model.config, self.capacity)
+        twin._held = Held(cache=twin.cache, busy=True)
         for mine, theirs in zip(twin.cache.layers, self.cache.layers):
             if theirs.is_initialized:
                 mine.dtype, mine.device, mine.is_initialized = theirs.dtype, theirs.device, True
                 mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
-        twin._graphs, twin._inputs = {}, {}
         return twin
 
     # -- t(n) calibration ----------------------------------------------------------------------------------
@@ -284,7 +335,7 @@ class StaticBackend(TransformersBackend):
         backend.prefill(prompt)
         backend._root_logits = None  # every measured step runs its root too: n rows
         ms = []
-        with torch.inference_mode():
+        with torch.inference_mode(), contextlib.closing(backend):
             for n in sizes:
                 tree = DraftTree()
                 tree.add_chain(torch.randint(100, min(vocab, 30000), (n - 1,), generator=gen).tolist())
