@@ -4,11 +4,11 @@
 # On the lent machine (nothing can be installed or downloaded there, and at most 64 MiB travels per call): the
 # payload made by `make gpu-payload` travels in parts (.dev/a, .dev/b, .dev/c), one per call, each gathered
 # into $WORK while the machine stays warm; the last call joins and runs:
-#   bash examples/gpu_check.sh gather install env curve   # call 1 (.dev/a: wheels, model part 1), ~80 s
+#   bash examples/gpu_check.sh gather install env curve   # call 1 (.dev/a: wheels, model part 1), ~70 s
 #   bash examples/gpu_check.sh gather                     # call 2 (.dev/b: model part 2), at once (30 s warm)
-#   bash examples/gpu_check.sh gather join tests index    # call 3 (.dev/c: MiniLM, data), ~170 s
-#   bash examples/gpu_check.sh bench summary              # call 4, ~330 s (20 prompts x 5 methods)
-# Measured on an H100 (2026-11-26): 7 methods x 18 prompts took 420 s, so each call's timeout_s leaves room.
+#   bash examples/gpu_check.sh gather join tests index    # call 3 (.dev/c: MiniLM, data), ~220 s
+#   bash examples/gpu_check.sh bench summary              # call 4, ~240 s (20 prompts x 8 methods)
+# Measured on an H100 (2026-11-26, static verifier): the four calls fit one 15-minute lease with ~5 minutes left.
 # Anywhere (CI does, tests/test_gpu_check.py): DEVICE=cpu QUICK=1 PROMPTS=F CORPUS=D bash examples/gpu_check.sh \
 #   env curve tests bench index summary
 set -uo pipefail
