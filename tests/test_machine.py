@@ -91,6 +91,19 @@ def test_settings_that_need_no_measurement():
         assert pld[:2] == ("transformers", "float32") and "PLD+" in pld.reason
 
 
+ZEN3 = {"model": "AMD EPYC 7B13", "flags": ["avx2"], "threads": 2, "cores": 2, "flags_hash": "x"}
+ZEN4 = ZEN3 | {"flags": ["avx2", "avx512f", "avx512_bf16", "avx512_vnni"]}
+
+
+def test_guess_follows_the_flags():
+    by = {c.name: c for c in machine.CANDIDATES}
+    pool = list(machine.CANDIDATES)
+    assert machine.guess(pool, ZEN4).name == "transformers/int8"
+    assert machine.guess(pool, ZEN4 | {"flags": ["avx2", "avx512_bf16"]}).name == "transformers/bfloat16"
+    assert machine.guess(pool, ZEN3).name == "transformers/float32"
+    assert machine.guess([by["llama.cpp/gguf"], by["transformers/gguf"]], ZEN3).name == "llama.cpp/gguf"
+
+
 def test_key_names_the_cpu_and_changes_with_threads():
     import torch
 
@@ -243,3 +256,79 @@ def test_pipeline_with_backend_auto_chooses_and_answers(home, table, tmp_path, e
     with pytest.raises(RagspecError, match="hidden states"):
         Pipeline({**spec, "generator": {**spec["generator"], "backend": "llama.cpp"},
                   "drafting": {"method": "pldplus-a"}}, pipe.retriever).load()
+
+
+# -- a new machine: a guess now, the measurement in the background --------------------------------------------
+def pool_here(backend: str = "transformers"):
+    cpu = machine.cpu_info()
+    return [c for c in machine.CANDIDATES if backend in ("auto", c.backend) and c.needs(cpu, SMOL) is None]
+
+
+def test_a_new_machine_answers_on_a_guess_and_switches_once_measured(tmp_path, monkeypatch, embedder):
+    """No table: the pipeline loads the flag-based guess at once (nothing measured in the foreground) and says
+    the measurement runs in the background; when the table appears it loads what the table prefers, between
+    asks. (The job is marked started for this process so that no real calibration runs beside the tests; the
+    job itself is tested below.)"""
+    from ragspec.index.builder import build_index
+    from ragspec.models import calibration_job
+    from ragspec.pipeline import Pipeline, pipeline
+    from ragspec.retrieve.retriever import Retriever
+    from ragspec.settings import IndexSettings, RetrieverSettings
+
+    pool = pool_here()
+    if len(pool) < 2:
+        pytest.skip("one candidate here: nothing to guess between")
+    from ragspec.models.gguf_cache import cache_dir, ensure_converted
+    from ragspec.models.registry import lookup
+
+    real = ensure_converted(lookup(SMOL))  # in the usual home; converted once
+    monkeypatch.setenv("RAGSPEC_CALIBRATE", "background")
+    monkeypatch.setenv("RAGSPEC_HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / "models").mkdir(parents=True)
+    (tmp_path / "home" / "models" / cache_dir(lookup(SMOL)).name).symlink_to(real)
+    path = machine.table_path(SMOL)
+    calibration_job._started.add(str(path))
+    corpus = write_corpus(tmp_path / "corpus")
+    build_index(corpus, tmp_path / "ix", IndexSettings(chunk_tokens=48, overlap=8), embedder=embedder,
+                show_progress=False)
+    spec = {"retriever": {"top_n": 3}, "generator": {"model": SMOL, "max_new_tokens": 12},
+            "drafting": {"method": "suffix", "budget": 16}}
+    lines = []
+    t = time.perf_counter()
+    pipe = Pipeline(spec, Retriever(str(tmp_path / "ix"), RetrieverSettings(top_n=3), embedder=embedder))
+    pipe.load(progress=lines.append)
+    guessed = machine.guess(pool, machine.cpu_info())
+    assert pipe.choice.guessed and pipe.choice[:2] == (guessed.backend, guessed.dtype)
+    assert "first guess from the CPU flags" in pipe.choice.reason and not path.exists()
+    first = pipe.ask("Where does the Danube rise?")
+    assert first.text and (first.stats.backend, first.stats.dtype) == pipe.choice[:2]
+    # the background job's table arrives, preferring another candidate: the next ask runs on it
+    other = next(c for c in pool if c is not guessed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"sizes": [1, 2, 4, 8, 16], "contended": [], "candidates": [
+        row(c.backend, c.dtype, 1000.0 if c is other else 10.0, [10.0, 11, 12, 13, 14]) for c in pool]}))
+    monkeypatch.setattr(pipeline, "GUESS_RECHECK_S", 0.0)
+    second = pipe.ask("Where does the Danube rise?")
+    assert not pipe.choice.guessed and pipe.choice[:2] == (other.backend, other.dtype)
+    assert (second.stats.backend, second.stats.dtype) == (other.backend, other.dtype) and second.text
+    assert time.perf_counter() - t < 300
+
+
+def test_the_background_job_waits_for_quiet_then_writes_the_table(tmp_path):
+    """The detached job, started for a model none of whose candidates can run (each fails or is skipped in
+    seconds), writes its table and log; a second start in the same process is a no-op."""
+    from ragspec.models import calibration_job
+
+    share = calibration_job.busy_share(0.2)
+    assert share is None or 0.0 <= share <= 1.0
+    bogus = str(tmp_path / "no-model-here")
+    path = machine.table_path(bogus, tmp_path)
+    log = calibration_job.start(bogus, path, tmp_path, wait_s=0)
+    assert log is not None and calibration_job.start(bogus, path, tmp_path, wait_s=0) is None
+    deadline = time.time() + 240
+    while not path.exists() and time.time() < deadline:
+        time.sleep(0.5)
+    tab = json.loads(path.read_text())
+    assert all("prefill_tps" not in r for r in tab["candidates"]) and tab["contended"] == []
+    text = log.read_text()
+    assert "calibrating" in text and "table written" in text

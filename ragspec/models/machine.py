@@ -1,4 +1,5 @@
-"""Which backend and dtype run a generator fastest on this machine — measured, never guessed.
+"""Which backend and dtype run a generator fastest on this machine — measured (guessed from the flags only until
+the measurement is done).
 
 The CPU's SIMD flags decide which kernels exist: without native bf16 (AVX-512 BF16 or AMX) a bfloat16 model
 runs on slow emulation, and llama.cpp's quantized GGUF kernels can beat PyTorch's float32 on decoding while
@@ -8,7 +9,9 @@ of n tokens over a 1,024-token cache. The table is cached as JSON beside the dra
 `choose` picks, for an ask's shape, the candidate with the least predicted time.
 
 Each candidate is measured in a child process: a native build that dies (SIGILL on a CPU it was not built
-for) or runs out of memory costs that candidate, recorded with why, never the caller.
+for) or runs out of memory costs that candidate, recorded with why, never the caller. A pipeline on a machine
+with no table yet does not wait for it: it takes `guess` (from the CPU flags) and the table is measured by a
+detached job once the machine is quiet (`calibration_job.py`); `RAGSPEC_CALIBRATE=foreground` measures first.
 """
 
 from __future__ import annotations
@@ -284,7 +287,11 @@ def _measure_table(model: str, path: Path, cpu: dict, candidates, say: Callable[
                 row["error"] = str(exc)
                 say(f"{c.name}: failed ({exc})")
         rows.append(row)
+    # a row that got under BUSY of its cores even when measured again ran beside another job: the table is used,
+    # but marked, and a pipeline that reads it has it measured again once the machine is quiet
+    contended = [r["backend"] + "/" + r["dtype"] for r in rows if r.get("cpu_share", 1.0) < BUSY]
     table = {"key": path.stem, "model": model, "cpu": cpu, "context": CONTEXT, "sizes": list(SIZES),
+             "contended": contended,
              "versions": {"python": platform.python_version(), "torch": _torch_version(),
                           "llama_cpp_python": _llama_version()},
              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "candidates": rows}
@@ -415,6 +422,18 @@ class Choice(NamedTuple):
     dtype: str
     reason: str
     predicted_s: float | None = None
+    guessed: bool = False  # from the CPU flags while the table is measured in the background
+
+
+def guess(pool, cpu: dict) -> Candidate:
+    """The candidate to run before this machine's table exists. Measured on Zen 4 (avx512_bf16, avx512_vnni),
+    Qwen2.5-Coder-1.5B, prefill tok/s float32 / bfloat16 / int8 64 / 101 / 123 and t(1) 212 / 185 / 136 ms:
+    int8 first where the CPU has VNNI or AMX, then bfloat16 where bf16 is native; float32 elsewhere (the Zen 3
+    table picks it for every shape). llama.cpp is never guessed: it changes which drafters can run."""
+    order = (["transformers/int8"] if native_int8(cpu) else []) + (
+        ["transformers/bfloat16"] if native_bf16(cpu) else []) + ["transformers/float32"]
+    by_name = {c.name: c for c in pool}
+    return next((by_name[n] for n in order if n in by_name), pool[0])
 
 
 def needs_transformers(drafting_method: str) -> bool:
@@ -497,9 +516,27 @@ def resolve(generator, device: str, prompt_tokens: int, answer_tokens: int, draf
         c = pool[0]
         return Choice(c.backend, c.dtype, "the only candidate here" + (f" ({'; '.join(left_out)})" if left_out else ""))
     # the whole table (every candidate), so pipelines of other settings on this machine share one file
-    table = machine_table(generator.model, cache_dir=cache_dir, progress=progress)
+    path = table_path(generator.model, cache_dir, cpu)
+    table = _read_table(path)
+    if table is None and os.environ.get("RAGSPEC_CALIBRATE", "background") == "foreground":
+        table = machine_table(generator.model, cache_dir=cache_dir, progress=progress)
+    if table is None or table.get("contended"):
+        from ragspec.models import calibration_job
+
+        log = calibration_job.start(generator.model, path, cache_dir, force=table is not None)
+        if log is not None and progress is not None:
+            progress(("this machine's figures were measured beside another job: measuring again" if table else
+                      "no measurements of this machine yet: they run in the background once it is quiet")
+                     + f" (log: {log})")
+    if table is None:
+        c = guess(pool, cpu)
+        flags = " ".join(cpu["flags"]) or "no AVX2"
+        return Choice(c.backend, c.dtype, f"a first guess from the CPU flags ({flags}) while this machine is "
+                      "measured in the background; later loads, and this pipeline between asks, use the measurement",
+                      guessed=True)
     blend = float(generator.source_cache_blend) if source_cache else None
     return choose(table, prompt_tokens, answer_tokens, drafting_method, backend, blend=blend)
+
 
 
 def _first_line(exc: BaseException) -> str:

@@ -34,6 +34,8 @@ from ragspec.pipeline.prompt import NO_DECLINE, BuiltPrompt, PromptBuilder, Sour
 from ragspec.pipeline.relevance import is_task_on_sources
 from ragspec.spec import PipelineSpec, load_spec
 
+GUESS_RECHECK_S = 10.0  # a pipeline on a guessed backend looks this often (between asks) for the measured table
+
 
 @dataclass
 class Prepared:
@@ -68,6 +70,7 @@ class Pipeline:
         self.prefix_cache = None  # a decoding.prefix_cache.PrefixStore: follow-ups reuse the KV of shared prefixes
         self._source_store = None  # decoding.source_cache.SourceKVStore (generator.source_cache), made on first use
         self.choice = None  # models.machine.Choice: the backend and dtype `load` took, and why
+        self._guess_checked = time.monotonic()  # when a guessed choice last looked for the measured table
         self._load_lock = threading.RLock()
 
     @classmethod
@@ -117,6 +120,8 @@ class Pipeline:
         `generator.backend` / `dtype` auto on a CPU, the backend and dtype are the fastest measured on this
         machine for this pipeline's ask shape (measured once per machine; `progress(line)` hears about it)."""
         with self._load_lock:
+            if self._model is not None and self.choice is not None and self.choice.guessed:
+                self._follow_measurement(progress)
             if self._model is None:
                 from ragspec.models.generator import shared_generator
                 from ragspec.models.machine import resolve
@@ -141,6 +146,31 @@ class Pipeline:
 
                 self._cost = calibrate(self._model)
         return self
+
+    def _follow_measurement(self, progress=None) -> None:
+        """Between asks, a pipeline running on a flag-based guess looks (every `GUESS_RECHECK_S`) for this
+        machine's measured table; where it prefers another backend or dtype, that one is loaded for the next
+        ask and whatever was tied to the old model (its t(n), learned acceptance, cached KV) is dropped."""
+        from ragspec.models.machine import resolve
+
+        now = time.monotonic()
+        if now - self._guess_checked < GUESS_RECHECK_S:
+            return
+        self._guess_checked = now
+        choice = resolve(self.spec.generator, self.device, self.expected_prompt_tokens(),
+                         self.expected_answer_tokens(), self.spec.drafting.method, source_cache=self.source_cache_on())
+        if choice.guessed:
+            return
+        if choice[:2] == self.choice[:2]:
+            self.choice = choice
+            return
+        say = progress or (lambda line: None)
+        say(f"this machine is measured now: {choice.backend}/{choice.dtype} instead of the guessed "
+            f"{self.choice.backend}/{self.choice.dtype} ({choice.reason}); loading it")
+        self._model = self._tokenizer = None
+        self._cost, self._rates, self._calibration, self._source_store = None, None, None, None
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def expected_prompt_tokens(self) -> int:
         """The prompt length an ask will likely have, for choosing a backend: top_n sources of a chunk each

@@ -1,0 +1,109 @@
+"""The machine table measured in a detached process, once the machine is quiet, so a first ask never waits.
+
+Measuring every candidate of a generator takes minutes on a 2-core machine (the 1.5B: 465 s). A pipeline that
+finds no table answers with a guess from the CPU flags (`machine.guess`) and starts this job; the job waits
+until the other processes leave the CPUs nearly idle (a measurement beside an ask measures the ask), takes the
+calibration lock, measures, and writes the table that later loads read (and a pipeline holding a guess switches
+to, between asks). Its lines go to a log beside the table. `python -m ragspec.models.calibration_job MODEL`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+QUIET = 0.25  # the machine counts as quiet when other processes use under this share of all its CPUs
+QUIET_FOR_S = 3  # … for this many seconds in a row
+WAIT_S = 900  # at most this long waiting for quiet; then the measurement runs anyway (rows marked if contended)
+
+_started: set[str] = set()  # tables this process has started a job for
+
+
+def busy_share(interval_s: float = 1.0) -> float | None:
+    """The share of all CPUs busy over `interval_s` (from /proc/stat), or None where it cannot be read."""
+
+    def sample():
+        with open("/proc/stat") as f:
+            parts = [int(x) for x in f.readline().split()[1:]]
+        return sum(parts), parts[3] + (parts[4] if len(parts) > 4 else 0)  # total, idle + iowait
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(interval_s)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    span = total1 - total0
+    return None if span <= 0 else 1 - (idle1 - idle0) / span
+
+
+def wait_for_quiet(say, wait_s: float = WAIT_S) -> bool:
+    """Block until the machine has been quiet for QUIET_FOR_S seconds (True), or `wait_s` ran out (False)."""
+    end, calm = time.monotonic() + wait_s, 0
+    told = False
+    while time.monotonic() < end:
+        share = busy_share()
+        if share is None:
+            return True
+        calm = calm + 1 if share < QUIET else 0
+        if calm >= QUIET_FOR_S:
+            return True
+        if not told:
+            say(f"waiting for a quiet machine before measuring (CPUs {share:.0%} busy)…")
+            told = True
+    return False
+
+
+def start(model: str, table_path: Path, cache_dir: Path | None = None, force: bool = False,
+          wait_s: float = WAIT_S) -> Path | None:
+    """Start the detached job measuring `model`'s table (once per process and table); returns its log's path,
+    or None when this process already started one."""
+    if str(table_path) in _started:
+        return None
+    _started.add(str(table_path))
+    log = table_path.with_suffix(".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "ragspec.models.calibration_job", model]
+    cmd += ["--cache-dir", str(cache_dir)] if cache_dir else []
+    cmd += ["--force"] if force else []
+    cmd += ["--wait-s", str(wait_s)]
+    with open(log, "a") as out:
+        subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                         start_new_session=True, close_fds=True)
+    return log
+
+
+def run(model: str, cache_dir: Path | None = None, force: bool = False, wait_s: float = WAIT_S) -> dict:
+    """The job itself: wait for quiet, then measure (or read the table another process measured meanwhile)."""
+    from ragspec.models.machine import machine_table
+
+    def say(line: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
+
+    say(f"calibrating {model} (pid {os.getpid()})")
+    if not wait_for_quiet(say, wait_s):
+        say(f"the machine stayed busy for {wait_s:.0f} s: measuring anyway (contended rows are marked)")
+    table = machine_table(model, force=force, cache_dir=cache_dir, progress=say)
+    say("table written" + (" (contended: measured again when the machine is quiet)" if table.get("contended") else ""))
+    return table
+
+
+def _main(argv: list[str]) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--cache-dir", type=Path, default=None)
+    ap.add_argument("--force", action="store_true")
+    ap.add_argument("--wait-s", type=float, default=WAIT_S)
+    a = ap.parse_args(argv)
+    run(a.model, a.cache_dir, a.force, a.wait_s)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
