@@ -2,7 +2,8 @@
 greedy through drafters equals `generate`, a tree's rows equal the dynamic backend's, the slot cache doubles
 mid-generation without changing a token, forks are independent, sampling through it keeps the distribution, and
 the choice of backend follows `RAGSPEC_STATIC_VERIFIER` (PLD+ drafters stay on the dynamic one). On a GPU the same
-steps replay CUDA graphs: tests/test_cuda.py runs every drafter through them there."""
+steps replay CUDA graphs: tests/test_cuda.py runs every drafter through them there. And the backends' t(n)
+calibration, which the static verifier measures with its own steps, runs once when two loads race."""
 
 from __future__ import annotations
 
@@ -163,3 +164,35 @@ def test_calibration_measures_steps(smol):
     model, _ = smol
     ms = StaticBackend.measure_costs(model, 64, 1, [1, 8])
     assert len(ms) == 2 and all(m > 0 for m in ms)
+
+
+def test_loads_together_measure_t_n_once(smol, tmp_path, monkeypatch):
+    """Two loads of one model at once (a server and a notebook) measure its t(n) once: the second waits for
+    the first's figures (a lock beside the file) instead of measuring beside it."""
+    import threading
+    import time
+
+    from ragspec.decoding.backends import calibrate
+
+    model, _ = smol
+    calls = []
+    real = TransformersBackend.measure_costs
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(TransformersBackend, "measure_costs", staticmethod(counted))
+    out = [None, None]
+
+    def run(i):
+        out[i] = calibrate(model, context=32, repeats=1, cache_dir=tmp_path, sizes=(1, 2))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and out[0].sizes == out[1].sizes == [1, 2]
+    assert out[1].ms == pytest.approx(out[0].ms, abs=0.01)

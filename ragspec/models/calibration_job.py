@@ -15,8 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-QUIET = 0.25  # the machine counts as quiet when other processes use under this share of all its CPUs
-QUIET_FOR_S = 3  # … for this many seconds in a row
+QUIET = 0.25  # the machine counts as quiet when processes use under this share of all its CPUs
+QUIET_FOR_S = 10  # … for this many seconds in a row, the process that started the job idle or gone meanwhile
+PARENT_IDLE = 0.05  # CPU seconds a second under which the starting process counts as idle (between asks)
 WAIT_S = 900  # at most this long waiting for quiet; then the measurement runs anyway (rows marked if contended)
 
 _started: set[str] = set()  # tables this process has started a job for
@@ -40,19 +41,36 @@ def busy_share(interval_s: float = 1.0) -> float | None:
     return None if span <= 0 else 1 - (idle1 - idle0) / span
 
 
-def wait_for_quiet(say, wait_s: float = WAIT_S) -> bool:
-    """Block until the machine has been quiet for QUIET_FOR_S seconds (True), or `wait_s` ran out (False)."""
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` so far, or None when it is gone (or cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def wait_for_quiet(say, wait_s: float = WAIT_S, parent: int | None = None) -> bool:
+    """Block until, for QUIET_FOR_S seconds in a row, the machine was quiet and the process that started the
+    job (`parent`: an ask loading its model is not always busy, so the machine's share alone is not enough)
+    idle or gone (True); False when `wait_s` ran out first."""
     end, calm = time.monotonic() + wait_s, 0
     told = False
+    before = cpu_seconds(parent) if parent else None
     while time.monotonic() < end:
         share = busy_share()
         if share is None:
             return True
-        calm = calm + 1 if share < QUIET else 0
+        now = cpu_seconds(parent) if parent else None
+        idle = now is None or before is None or now - before < PARENT_IDLE
+        before = now
+        calm = calm + 1 if share < QUIET and idle else 0
         if calm >= QUIET_FOR_S:
             return True
         if not told:
-            say(f"waiting for a quiet machine before measuring (CPUs {share:.0%} busy)…")
+            say(f"waiting for a quiet machine before measuring (CPUs {share:.0%} busy"
+                + (f"; process {parent} {'idle' if idle else 'working'}" if parent else "") + ")…")
             told = True
     return False
 
@@ -71,14 +89,15 @@ def start(model: str, table_path: Path, cache_dir: Path | None = None, force: bo
     cmd = [sys.executable, "-m", "ragspec.models.calibration_job", model]
     cmd += ["--cache-dir", str(cache_dir)] if cache_dir else []
     cmd += ["--force"] if force else []
-    cmd += ["--wait-s", str(wait_s)]
+    cmd += ["--wait-s", str(wait_s), "--parent", str(os.getpid())]
     with open(log, "a") as out:
         subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                          start_new_session=True, close_fds=True)
     return log
 
 
-def run(model: str, cache_dir: Path | None = None, force: bool = False, wait_s: float = WAIT_S) -> dict:
+def run(model: str, cache_dir: Path | None = None, force: bool = False, wait_s: float = WAIT_S,
+        parent: int | None = None) -> dict:
     """The job itself: wait for quiet, then measure (or read the table another process measured meanwhile)."""
     from ragspec.models.machine import machine_table
 
@@ -86,7 +105,7 @@ def run(model: str, cache_dir: Path | None = None, force: bool = False, wait_s: 
         print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
 
     say(f"calibrating {model} (pid {os.getpid()})")
-    if not wait_for_quiet(say, wait_s):
+    if not wait_for_quiet(say, wait_s, parent):
         say(f"the machine stayed busy for {wait_s:.0f} s: measuring anyway (contended rows are marked)")
     table = machine_table(model, force=force, cache_dir=cache_dir, progress=say)
     say("table written" + (" (contended: measured again when the machine is quiet)" if table.get("contended") else ""))
@@ -101,8 +120,9 @@ def _main(argv: list[str]) -> None:
     ap.add_argument("--cache-dir", type=Path, default=None)
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--wait-s", type=float, default=WAIT_S)
+    ap.add_argument("--parent", type=int, default=None, help="the process that started the job")
     a = ap.parse_args(argv)
-    run(a.model, a.cache_dir, a.force, a.wait_s)
+    run(a.model, a.cache_dir, a.force, a.wait_s, a.parent)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ llama-cpp-python). The loop asks `make_backend` for one per generation; nothing 
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 from pathlib import Path
 
 from ragspec.decoding.backends.base import Backend, StepResult
@@ -65,16 +67,26 @@ def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | Non
     folder = cache_dir or ragspec_home() / "calibration"
     path = folder / f"{backend.cost_key(model)}.json"
     if path.exists() and not force:
-        data = json.loads(path.read_text())
-        return CostModel(data["sizes"], data["ms"])
-    ms = backend.measure_costs(model, context, repeats, list(sizes))
-    model_cost = CostModel(list(sizes), ms)
+        return _read_costs(path)
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(model_cost.as_dict() | {"context": context, "key": path.stem, "backend": backend.name},
-                              indent=2))
-    tmp.replace(path)
+    # one measurement per key at a time: two processes loading one model together (a server and a notebook)
+    # would each measure beside the other, slowly and wrongly; the second waits and reads the first's figures
+    with open(folder / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists() and not force:
+            return _read_costs(path)
+        ms = backend.measure_costs(model, context, repeats, list(sizes))
+        model_cost = CostModel(list(sizes), ms)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(model_cost.as_dict() | {"context": context, "key": path.stem,
+                                                         "backend": backend.name}, indent=2))
+        tmp.replace(path)
     return model_cost
+
+
+def _read_costs(path: Path) -> CostModel:
+    data = json.loads(path.read_text())
+    return CostModel(data["sizes"], data["ms"])
 
 
 __all__ = ["NAMES", "Backend", "StepResult", "backend_class", "calibrate", "cost_key", "describe", "is_llama", "make_backend"]
