@@ -103,6 +103,19 @@ def test_sampling_keeps_the_distribution():
     assert_follows(joint, tree_pairs(model, prompt, joint, tree, seed=7))
 
 
+def assert_rows_follow_paths(model, prompt: list[int], t: DraftTree, logits) -> None:
+    """Each node's row of a tree forward (row 0: the root) equals the last row of a plain forward over the
+    prompt and that node's path."""
+    for node in range(len(t)):
+        path, n = [], node
+        while n >= 0:
+            path.append(t.tokens[n])
+            n = t.parents[n]
+        with torch.inference_mode():
+            ref = model(torch.tensor([prompt + path[::-1]], device=DEVICE)).logits[0, -1].float()
+        assert torch.allclose(logits[node + 1], ref, atol=2e-3 * ref.abs().max().item()), node
+
+
 def test_tree_mask_and_forward_on_the_device():
     """The tree's mask built on the device equals the CPU's, and each node's row of one tree forward equals the
     last row of a plain forward over the cache plus that node's path."""
@@ -122,14 +135,7 @@ def test_tree_mask_and_forward_on_the_device():
     backend = TransformersBackend(model, SamplingSettings())
     backend.prefill(prompt)
     logits = backend.score(t).float()  # row 0: the root (the prompt's last token, cached by the prefill)
-    for node in range(len(t)):
-        path, n = [], node
-        while n >= 0:
-            path.append(t.tokens[n])
-            n = t.parents[n]
-        with torch.inference_mode():
-            ref = model(torch.tensor([prompt + path[::-1]], device=DEVICE)).logits[0, -1].float()
-        assert torch.allclose(logits[node + 1], ref, atol=2e-3 * ref.abs().max().item()), node
+    assert_rows_follow_paths(model, prompt, t, logits)
 
 
 def test_static_verifier_replays_graphs():
@@ -153,14 +159,7 @@ def test_static_verifier_replays_graphs():
         logits = backend.score(t).float()
     assert backend.graph_error is None
     assert bool(backend._graphs) == (DEVICE == "cuda")
-    for node in range(len(t)):
-        path, n = [], node
-        while n >= 0:
-            path.append(t.tokens[n])
-            n = t.parents[n]
-        with torch.inference_mode():
-            ref = model(torch.tensor([prompt + path[::-1]], device=DEVICE)).logits[0, -1].float()
-        assert torch.allclose(logits[node + 1], ref, atol=2e-3 * ref.abs().max().item()), node
+    assert_rows_follow_paths(model, prompt, t, logits)
 
 
 def test_source_cache_rerotation_and_assembly_on_the_device():
