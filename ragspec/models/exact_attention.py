@@ -14,11 +14,18 @@ differences (~1e-16 relative) cross a float32 rounding boundary about once in 10
 is, in practice, the same bits whichever way the rows were batched. The cost is in prefill: Qwen2.5-0.5B int8 on
 2 Zen 3 cores prefilled 1,000 tokens at 103 tok/s against 154 with PyTorch's attention; t(1)–t(16) barely moved
 (docs/decoding.md, *CPU dtypes*). Keys hidden from a whole block of queries (a prompt's causal future) are left out.
+
+A model whose config has `ragspec_native_attention` (dtype gguf, whose C++ kernels are built anyway) runs the same
+float64 arithmetic in `attention_kernel.cpp` instead: one task per query row reading the float32 cache in place,
+so a row's result is the same bits however rows are batched by construction, and no step converts the whole
+cache to float64.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ragspec.decoding.backends.attention import WEIGHTS_FLAG
 
 NAME = "ragspec_exact"
 QUERY_BLOCK = 256  # queries per float64 score block: bounds memory on long prompts (rows are independent)
@@ -31,6 +38,10 @@ def exact_attention(module, query, key, value, attention_mask, scaling, dropout=
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("attention sinks (s_aux) are not supported by ragspec's exact attention")
     softcap = kwargs.get("softcap")
+    weights = _weights(query, key, attention_mask, scaling) if getattr(module, WEIGHTS_FLAG, False) else None
+    if (getattr(module.config, "ragspec_native_attention", False) and not softcap and query.device.type == "cpu"
+            and query.dtype == key.dtype == value.dtype == torch.float32):
+        return _native(query, key, value, attention_mask, scaling), weights
     b, h, q_len, d = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     groups = h // kv_heads  # query head i reads key/value head i // groups (transformers' repeat_kv)
@@ -66,7 +77,37 @@ def exact_attention(module, query, key, value, attention_mask, scaling, dropout=
             scores = scores + (mask[..., start:end, :keys] if mask.shape[-2] > 1 else mask[..., :keys])
         probs = torch.softmax(scores, dim=-1).reshape(b, kv_heads, groups * (end - start), keys)
         out[:, :, :, start:end] = torch.matmul(probs, v[:, :, :keys]).reshape(b, kv_heads, groups, end - start, d)
-    return out.reshape(b, h, q_len, d).to(query.dtype).transpose(1, 2).contiguous(), None
+    return out.reshape(b, h, q_len, d).to(query.dtype).transpose(1, 2).contiguous(), weights
+
+
+def _weights(query, key, attention_mask, scaling) -> torch.Tensor:
+    """softmax(q·kᵀ·scaling + mask) [B, H, Q, K] in float32, for a module whose weights are captured (PLD+ (a)
+    ranks draft candidates by them; the output never reads them)."""
+    groups = query.shape[1] // key.shape[1]
+    k = key.float().repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query.float(), k.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        mask = attention_mask[..., : key.shape[2]]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    return torch.softmax(scores, dim=-1)
+
+
+def _native(query, key, value, attention_mask, scaling) -> torch.Tensor:
+    """`attention_kernel.cpp`'s exact attention ([B, Q, H, D]); a boolean mask becomes an additive one."""
+    from ragspec.models.gguf_kernel import load_kernels
+
+    mask = attention_mask
+    if mask is None:
+        mask = torch.empty(0)
+    else:
+        mask = mask[..., : key.shape[2]]
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape).masked_fill_(~mask, torch.finfo(torch.float32).min)
+        elif mask.dtype != torch.float32:
+            mask = mask.float().masked_fill_(mask <= torch.finfo(mask.dtype).min, torch.finfo(torch.float32).min)
+        if mask.shape[-1] > 1 and mask.stride(-1) != 1:
+            mask = mask.contiguous()
+    return load_kernels().exact_attention(query, key, value, mask, float(scaling))
 
 
 def fast_prompt_attention(module, query, *args, **kwargs):
@@ -89,12 +130,12 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, eager_mask)
 
 
-def use_exact_attention(model, prompt_rows: int | None = None) -> None:
-    """Switch a loaded model to this attention; with `prompt_rows`, forwards of more query rows use SDPA."""
+def use_exact_attention(model, prompt_rows: int | None = None, native: bool = False) -> None:
+    """Switch a loaded model to this attention; with `prompt_rows`, forwards of more query rows use SDPA; with
+    `native`, float32 attention runs in the C++ kernel (`attention_kernel.cpp`)."""
     register()
-    model.config.ragspec_prompt_rows = prompt_rows
-    for sub in model.modules():  # sub-configs (a text config under a multimodal one) read the same limit
-        cfg = getattr(sub, "config", None)
-        if cfg is not None and cfg is not model.config:
-            cfg.ragspec_prompt_rows = prompt_rows
+    for cfg in {id(c): c for c in [model.config] + [getattr(s, "config", None) for s in model.modules()]
+                if c is not None}.values():  # sub-configs (a text config under a multimodal one) read it too
+        cfg.ragspec_prompt_rows = prompt_rows
+        cfg.ragspec_native_attention = native
     model.set_attn_implementation(NAME)

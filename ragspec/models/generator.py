@@ -78,7 +78,8 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
 
         # rounding amplifies attention's batch-dependent ulps (see the module); gguf with its bf16 prompt copy
         # (opt-in) reads long prompt chunks with PyTorch's attention, as it reads them with that copy
-        use_exact_attention(model, prompt_rows=_gguf_prompt_rows() if dtype == "gguf" else None)
+        use_exact_attention(model, prompt_rows=_gguf_prompt_rows() if dtype == "gguf" else None,
+                            native=dtype == "gguf")
     elif device == "cpu":
         from ragspec.models.tree_attention import use_tree_attention
 

@@ -1,4 +1,5 @@
-"""Build (once per CPU) and load the C++ kernels of `gguf_kernel.cpp`: `torch.ops.ragspec_gguf.*`.
+"""Build (once per CPU) and load ragspec's C++ CPU kernels: `torch.ops.ragspec_gguf.*` (the GGUF-block linears of
+`gguf_kernel.cpp`, the exact attention of `attention_kernel.cpp`).
 
 The kernels are compiled with `-march=native` for the CPU they run on (VNNI where it has it, AVX2's
 `maddubs` where not, plain C elsewhere), so the build is keyed by the CPU's flags and the source's hash, kept
@@ -17,16 +18,22 @@ from pathlib import Path
 from ragspec.errors import RagspecError
 from ragspec.paths import ragspec_home
 
-SOURCE = Path(__file__).with_name("gguf_kernel.cpp")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17"]
+SOURCES = [Path(__file__).with_name("gguf_kernel.cpp"), Path(__file__).with_name("attention_kernel.cpp")]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fopenmp"]
 log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """Names the kernels' sources and flags: measurements of an older build (t(n), the machine table) no longer
+    hold once it changes."""
+    return hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:10]
 
 
 def build_key() -> str:
     from ragspec.cpu_flags import flags_hash
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:10]
-    return f"gguf-{flags_hash()}-{digest}"
+    return f"gguf-{flags_hash()}-{source_digest()}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,7 +41,7 @@ def load_kernels():
     """`torch.ops.ragspec_gguf`, built here first if this CPU has no build of this source yet."""
     import torch
 
-    if hasattr(torch.ops, "ragspec_gguf") and hasattr(torch.ops.ragspec_gguf, "qmatmul"):
+    if hasattr(torch.ops, "ragspec_gguf") and hasattr(torch.ops.ragspec_gguf, "exact_attention"):
         return torch.ops.ragspec_gguf
     key = build_key()
     folder = ragspec_home() / "kernels" / key
@@ -58,7 +65,7 @@ def _build(folder: Path, lib: Path) -> None:
     os.environ.setdefault("MAX_JOBS", "2")
     try:
         with status(f"Compiling ragspec's GGUF kernels for this CPU once (about 30 s; kept in {folder})"):
-            cpp_extension.load(name="ragspec_gguf", sources=[str(SOURCE)], extra_cflags=FLAGS,
+            cpp_extension.load(name="ragspec_gguf", sources=[str(s) for s in SOURCES], extra_cflags=FLAGS,
                                build_directory=str(folder), is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja: one clear line
         raise RagspecError(f"generator dtype gguf: its kernels did not build here ({exc.__class__.__name__}: "

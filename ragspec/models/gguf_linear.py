@@ -207,6 +207,8 @@ class GGUFLinear(nn.Module):
         self.register_buffer("d", _half_bits(d))
         self.register_buffer("mn", _half_bits(m if fmt != "s8" else None))
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self._no_bias = torch.empty(0)
+        self._args = None  # the buffers as a tuple: a step reads them ~170 times, Module.__getattr__ is slow
         self.prompt = None
         if prompt_copy if prompt_copy is not None else prompt_copy_available():
             self.prompt = torch.ops.mkldnn._reorder_linear_weight(self.dequantize().to(torch.bfloat16), 16)
@@ -221,19 +223,23 @@ class GGUFLinear(nn.Module):
         return w.reshape(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.prompt is None or x.numel() <= PROMPT_ROWS * self.in_features:  # one call: quantize, multiply, bias
+            args = self._args
+            if args is None or args[0] is not self._buffers["w"] or args[4] is not self._buffers["bias"]:
+                args = self._args = self._kernel_args()  # (re)read after a load_state_dict or .to()
+            y = self.ops.linear(x if x.dtype == torch.float32 else x.float(), *args[:4],
+                                self._no_bias if args[4] is None else args[4], self.code, self.out_features)
+            return y if y.dtype == x.dtype else y.to(x.dtype)
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if self.prompt is not None and x2.shape[0] > PROMPT_ROWS:
-            y = torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16).contiguous(), self.prompt, None,
-                                                    "none", [], "").float()
-        else:
-            xq, sx, xs = self.ops.quantize_rows(x2.float().contiguous())
-            y = self.ops.qmatmul(xq, sx, xs, self.w, self.wh, self.d, self.mn, self.code)
-            if y.shape[1] != self.out_features:
-                y = y[:, : self.out_features]
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.prompt, None, "none", [], "").float()
         if self.bias is not None:
             y.add_(self.bias)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def _kernel_args(self) -> tuple:
+        b = self._buffers
+        return (b["w"], b["wh"], b["d"], b["mn"], b["bias"])
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -303,5 +309,8 @@ def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | None = N
         done[target] = t.tensor_type.name
     if not done:
         raise RagspecError(f"generator dtype gguf: no linear of {gguf_file} matched the model")
+    from ragspec.models.gguf_kernel import source_digest
+
     model.ragspec_gguf = done
+    model.ragspec_kernels = source_digest()  # in the t(n) cost key: another build of the kernels costs otherwise
     return done

@@ -215,14 +215,17 @@ def _llama_version() -> str | None:
 
 
 def table_key(model: str, cpu: dict | None = None, candidates=CANDIDATES) -> str:
-    """Model + CPU model + CPU flags + threads (+ torch and llama.cpp versions, the linear packing switch, the
-    candidates): a change in any of them changes the kernels, so the measurements no longer hold."""
+    """Model + CPU model + CPU flags + threads (+ torch and llama.cpp versions, ragspec's own CPU kernels, the
+    linear packing switch, the candidates): a change in any of them changes the kernels, so the measurements no
+    longer hold."""
     import torch
+
+    from ragspec.models.gguf_kernel import source_digest
 
     cpu = cpu or cpu_info()
     model_id = model if not Path(model).expanduser().exists() else str(Path(model).expanduser().resolve())
     parts = [FORMAT, model_id, cpu["model"], cpu["flags_hash"], cpu["threads"], cpu["cores"], torch.__version__,
-             _llama_version(), os.environ.get("RAGSPEC_PACKED_LINEAR", "1"), os.environ.get("RAGSPEC_GGUF_PROMPT", "0"), CONTEXT, SIZES, [c.name for c in candidates]]
+             _llama_version(), source_digest(), os.environ.get("RAGSPEC_PACKED_LINEAR", "1"), os.environ.get("RAGSPEC_GGUF_PROMPT", "0"), CONTEXT, SIZES, [c.name for c in candidates]]
     h = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
     slug = "".join(c if c.isalnum() or c in ".-_" else "_" for c in Path(model).name.lower())[:48]
     return f"machine-{slug}-cpu{cpu['flags_hash']}-t{cpu['threads']}c{cpu['cores']}-{h}"

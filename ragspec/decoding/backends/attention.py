@@ -1,5 +1,10 @@
 """Attention capture for PLD+ (a) on a transformers model: eager attention for a block, and forward hooks
-keeping the chosen heads' weights. The transformers backend drives it; `heads` calibrates which heads."""
+keeping the chosen heads' weights. The transformers backend drives it; `heads` calibrates which heads.
+
+A model on ragspec's exact attention (`models/exact_attention.py`: the CPU dtypes whose greedy identity depends
+on it) keeps it while capturing: switching to eager would verify drafts with other kernels than plain greedy
+decodes with. The captured layers' attention modules are marked, and the exact attention returns their weights
+beside its output (computed apart: they only rank draft candidates)."""
 
 from __future__ import annotations
 
@@ -7,12 +12,15 @@ import contextlib
 
 import torch
 
+WEIGHTS_FLAG = "ragspec_attention_weights"  # on an attention module: the exact attention returns its weights too
+
 
 @contextlib.contextmanager
-def eager_attention(model):
-    """Run the block with eager attention (attention weights are computed and returned), then restore."""
+def eager_attention(model, keep_exact: bool = False):
+    """Run the block with eager attention (attention weights are computed and returned), then restore. With
+    `keep_exact`, a model on ragspec's exact attention keeps it (it returns the weights of marked modules)."""
     before = model.config._attn_implementation
-    if before == "eager":
+    if before == "eager" or (keep_exact and before == "ragspec_exact"):
         yield
         return
     model.set_attn_implementation("eager")
@@ -33,8 +41,11 @@ class AttentionCapture:
         self.rows: torch.Tensor | None = None
         self._handles = []
         layers = _decoder_layers(model)
+        self._marked = []
         for li, hs in self.by_layer.items():
             self._handles.append(layers[li].self_attn.register_forward_hook(self._hook(hs)))
+            setattr(layers[li].self_attn, WEIGHTS_FLAG, True)
+            self._marked.append(layers[li].self_attn)
 
     def _hook(self, heads: list[int]):
         def hook(module, args, output):
@@ -53,6 +64,9 @@ class AttentionCapture:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for m in self._marked:
+            setattr(m, WEIGHTS_FLAG, False)
+        self._marked = []
 
 
 def _decoder_layers(model):

@@ -130,7 +130,7 @@ class TransformersBackend:
 
             self._capture = AttentionCapture(self.model, list(self.attention_heads))
             ids = torch.tensor([prompt_ids[split : split + 1]], device=self.device)
-            with eager_attention(self.model):
+            with eager_attention(self.model, keep_exact=True):
                 out = self.model(input_ids=ids, position_ids=torch.tensor([[split]], device=self.device),
                                  **cache_arg(self.model, self.cache), use_cache=True, logits_to_keep=1,
                                  output_hidden_states=self.hidden_layer is not None)
@@ -208,7 +208,7 @@ class TransformersBackend:
             from ragspec.decoding.backends.attention import eager_attention
 
             self._capture.reset()
-            with eager_attention(self.model):
+            with eager_attention(self.model, keep_exact=True):
                 out = self._forward(ids, pos, mask)
         else:
             out = self._forward(ids, pos, mask)
@@ -339,7 +339,8 @@ class TransformersBackend:
         h = hashlib.sha256(cfg.encode()).hexdigest()[:12]
         packed = "-packed" if getattr(model, "ragspec_packed_linears", 0) else ""  # other kernels, other costs
         int8 = f"-int8-{model.ragspec_int8}" if getattr(model, "ragspec_int8", "") else ""  # float32 parameters
-        int8 += "-gguf" if getattr(model, "ragspec_gguf", None) else ""  # GGUF blocks, float32 parameters
+        if getattr(model, "ragspec_gguf", None):  # GGUF blocks, float32 parameters, ragspec's kernels of this build
+            int8 += f"-gguf-{getattr(model, 'ragspec_kernels', '')}"
         attn = getattr(model.config, "_attn_implementation", None)
         attn = f"-{attn}" if attn and attn != "sdpa" else ""  # ragspec's own attention kernels cost otherwise
         return (f"{getattr(model.config, 'model_type', 'model')}-{h}-{dev.type}-{str(dtype).split('.')[-1]}"

@@ -1,0 +1,197 @@
+// Exact attention for CPU decoding: softmax(q·kᵀ·scale + mask)·v in float32 with every sum in a fixed order.
+// Built with the GGUF kernels by ragspec/models/gguf_kernel.py.
+//
+// Why: greedy draft-and-verify equals plain greedy only if a position's logits are the same bits alone (a decode
+// step), in a prompt, or as one row of a draft tree. Here each output row [b, i, h, :] is computed by the same
+// instruction sequence from row i of the query, the keys that row sees and its mask row, whatever else runs
+// beside it: batch-invariant by construction (PyTorch's kernels change their summation order with the shapes, which
+// is why exact_attention.py's fallback runs in float64). It reads the float32 cache in place; the float64 ops
+// converted the whole key/value cache at every step.
+//
+// Shapes: q [B, H, Q, D] float32, k and v [B, Hkv, K, D] float32 (any strides but the last: the KV cache's
+// buffer views are read in place), mask [B, 1|H, Q, K] additive float32 (the dtype's minimum where hidden) or an
+// empty tensor (all visible). Query head h reads key/value head h / (H / Hkv). Output [B, Q, H, D] float32.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 16;  // partial sums of a dot product (lane l takes d = l mod 16), added in a fixed tree
+// Cephes' expf: exp(x) = 2^n · exp(r), x = n·ln2 + r, |r| <= ln2/2, a degree-7 polynomial (relative error ~1e-7)
+constexpr float LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
+constexpr float EXP_C[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                            1.6666665459e-1f, 5.0000001201e-1f};
+constexpr float EXP_MIN = -87.0f;  // below: 0 (2^n would leave float's range)
+
+inline float tree16(const float* a) {
+  float h[8];
+  for (int l = 0; l < 8; ++l) h[l] = a[l] + a[l + 8];
+  return ((h[0] + h[4]) + (h[2] + h[6])) + ((h[1] + h[5]) + (h[3] + h[7]));
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  float acc[LANES] = {};
+  for (int64_t d = 0; d < D; ++d) acc[d % LANES] += a[d] * b[d];
+  return tree16(acc);
+}
+
+inline float exp_neg(float x) {
+  if (!(x >= EXP_MIN)) return 0.0f;
+  const float n = std::nearbyint(x * LOG2E);
+  const float r = (x - n * LN2_HI) - n * LN2_LO;
+  float p = EXP_C[0];
+  for (int c = 1; c < 6; ++c) p = p * r + EXP_C[c];
+  p = (p * (r * r) + r) + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+#if defined(__AVX2__)
+// The same arithmetic eight lanes at a time (D a multiple of 16): bit-identical to the scalar functions above.
+inline float dot16(const float* a, const float* b, int64_t D) {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d)));
+    hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8)));
+  }
+  // tree16's order in registers: lanes l + (l+8), then + (l+4), then + (l+2), then the last two
+  const __m256 h = _mm256_add_ps(lo, hi);
+  const __m128 g = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 f = _mm_add_ps(g, _mm_movehl_ps(g, g));
+  return _mm_cvtss_f32(_mm_add_ss(f, _mm_movehdup_ps(f)));
+}
+
+inline __m256 exp_neg8(__m256 x) {
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_MIN), _CMP_GE_OQ);
+  const __m256 xs = _mm256_and_ps(x, live);  // dead lanes (and NaN padding) computed on 0, then zeroed
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xs, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(xs, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
+  __m256 p = _mm256_set1_ps(EXP_C[0]);
+  for (int c = 1; c < 6; ++c) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_C[c]));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
+}
+#endif
+
+at::Tensor exact_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                           double scaling_in) {
+  TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.dim() == 4, "exact_attention: q, k, v must be 4-D");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "exact_attention: float32 q, k, v");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "exact_attention: k and v rows must be contiguous");
+  at::Tensor q = q_in.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3);
+  const int64_t HKV = k.size(1), K = k.size(2);
+  TORCH_CHECK(H % HKV == 0 && v.size(2) == K && k.size(3) == D && v.size(3) == D, "exact_attention: shapes");
+  const bool has_mask = mask.numel() > 0;
+  if (has_mask) {
+    TORCH_CHECK(mask.dim() == 4 && mask.scalar_type() == at::kFloat && mask.size(2) == Q && mask.size(3) >= K,
+                "exact_attention: mask must be [B, 1|H, Q, >=K] float32");
+    TORCH_CHECK(mask.stride(3) == 1 || K == 1, "exact_attention: mask rows must be contiguous");
+  }
+  const float scaling = static_cast<float>(scaling_in);
+  const int64_t groups = H / HKV;
+  at::Tensor out = at::empty({B, Q, H, D}, q.options());
+  const float* pq = q.data_ptr<float>();
+  const float* pk = k.data_ptr<float>();
+  const float* pv = v.data_ptr<float>();
+  const float* pm = has_mask ? mask.data_ptr<float>() : nullptr;
+  float* po = out.data_ptr<float>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  const int64_t ms0 = has_mask ? mask.stride(0) : 0, ms1 = has_mask && mask.size(1) > 1 ? mask.stride(1) : 0;
+  const int64_t ms2 = has_mask ? mask.stride(2) : 0;
+  const float hidden = -FLT_MAX;  // transformers' additive masks put the dtype's minimum where a key is hidden
+#if defined(__AVX2__)
+  const bool wide = D % 16 == 0;
+#endif
+  // one task per (batch, query head, query row): each reads its own row only
+  at::parallel_for(0, B * H * Q, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(K + 8), acc(D);
+    std::vector<int32_t> seen(K);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / (H * Q), h = (t / Q) % H, i = t % Q, hk = h / groups;
+      const float* qr = pq + ((b * H + h) * Q + i) * D;
+      const float* kb = pk + b * ks0 + hk * ks1;
+      const float* vb = pv + b * vs0 + hk * vs1;
+      const float* mr = has_mask ? pm + b * ms0 + h * ms1 + i * ms2 : nullptr;
+      int64_t n = 0;
+      float top = -INFINITY;
+      for (int64_t j = 0; j < K; ++j) {
+        if (mr && mr[j] <= hidden) continue;  // a hidden key adds an exact zero: left out
+#if defined(__AVX2__)
+        float x = (wide ? dot16(qr, kb + j * ks2, D) : dot(qr, kb + j * ks2, D)) * scaling;
+#else
+        float x = dot(qr, kb + j * ks2, D) * scaling;
+#endif
+        if (mr) x += mr[j];
+        s[n] = x;
+        seen[n++] = static_cast<int32_t>(j);
+        top = x > top ? x : top;
+      }
+      float* o = po + ((b * Q + i) * H + h) * D;
+      if (n == 0 || !std::isfinite(top)) {  // a fully hidden row (padding): zeros
+        std::memset(o, 0, D * sizeof(float));
+        continue;
+      }
+#if defined(__AVX2__)
+      for (int64_t j = 0; j < n; j += 8) {  // s has room for 8 more: lanes past n are computed, never read
+        _mm256_storeu_ps(s.data() + j, exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s.data() + j), _mm256_set1_ps(top))));
+      }
+#else
+      for (int64_t j = 0; j < n; ++j) s[j] = exp_neg(s[j] - top);
+#endif
+      double total = 0.0;
+      for (int64_t j = 0; j < n; ++j) total += s[j];
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      int64_t d0 = 0;
+#if defined(__AVX2__)
+      for (; d0 + 32 <= D; d0 += 32) {  // 32 outputs in four registers across all keys, in key order
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < n; ++j) {
+          const float* vr = vb + seen[j] * vs2 + d0;
+          const __m256 p = _mm256_set1_ps(s[j]);
+          a0 = _mm256_add_ps(a0, _mm256_mul_ps(p, _mm256_loadu_ps(vr)));
+          a1 = _mm256_add_ps(a1, _mm256_mul_ps(p, _mm256_loadu_ps(vr + 8)));
+          a2 = _mm256_add_ps(a2, _mm256_mul_ps(p, _mm256_loadu_ps(vr + 16)));
+          a3 = _mm256_add_ps(a3, _mm256_mul_ps(p, _mm256_loadu_ps(vr + 24)));
+        }
+        _mm256_storeu_ps(acc.data() + d0, a0);
+        _mm256_storeu_ps(acc.data() + d0 + 8, a1);
+        _mm256_storeu_ps(acc.data() + d0 + 16, a2);
+        _mm256_storeu_ps(acc.data() + d0 + 24, a3);
+      }
+#endif
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vr = vb + seen[j] * vs2;
+        for (int64_t d = d0; d < D; ++d) acc[d] += s[j] * vr[d];
+      }
+      const float inv = static_cast<float>(1.0 / total);
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ragspec_gguf, m) {
+  m.def("exact_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scaling) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ragspec_gguf, CPU, m) {
+  m.impl("exact_attention", &exact_attention);
+}
