@@ -230,7 +230,9 @@ def test_gguf_is_cpu_only_and_named_in_the_cost_key(smol_gguf):
     from ragspec.settings import GeneratorSettings
 
     model, _ = smol_gguf
-    assert TransformersBackend.cost_key(model).endswith("-gguf")
+    from ragspec.models.gguf_kernel import source_digest
+
+    assert TransformersBackend.cost_key(model).endswith(f"-gguf-{source_digest()}")  # another build costs otherwise
     assert GeneratorSettings(dtype="gguf").dtype == "gguf"
     with pytest.raises(RagspecError, match="CPU only"):
         load_generator(SMOL, device="cuda", dtype="gguf")

@@ -31,7 +31,11 @@
 namespace {
 
 constexpr int GROUP = 32;
-constexpr int MT = 4;       // rows computed together: a weight group is unpacked once for up to MT rows
+#if defined(__AVX512VL__)
+constexpr int MT = 8;       // rows computed together: a weight group is unpacked once for up to MT rows (32 registers)
+#else
+constexpr int MT = 4;       // (16 registers)
+#endif
 constexpr int64_t NB = 4;   // blocks of 8 outputs whose weights stay in cache while every tile of rows passes
 
 #if defined(__F16C__)
@@ -96,10 +100,13 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, int64_
     const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(dp + g));
     __m256 mv = _mm256_setzero_ps();
     if constexpr (FMT != 2) mv = _mm256_cvtph_ps(_mm_loadu_si128(mp + g));
-    // R rows side by side, two integer accumulators each: independent dot-product chains keep the units busy
-    // (one chain of 8 dependent vpdpbusd would wait on its latency). Integer sums are exact in any order.
-    __m256i isum[2][R];
-    for (int r = 0; r < R; ++r) isum[0][r] = isum[1][r] = _mm256_setzero_si256();
+    // R rows side by side; one or two rows get two integer accumulators each: independent dot-product chains
+    // keep the units busy (one chain of 8 dependent vpdpbusd would wait on its latency). Integer sums are exact
+    // in any order, so the chains a tile uses never change a row's bits.
+    constexpr int A = R <= 2 ? 2 : 1;
+    __m256i isum[A][R];
+    for (int a = 0; a < A; ++a)
+      for (int r = 0; r < R; ++r) isum[a][r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
 #pragma GCC unroll 8
@@ -108,12 +115,12 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, int64_
         std::memcpy(&four, xq + r * K + g * GROUP + 4 * c, 4);
         __m256i xb = _mm256_set1_epi32(four);
         if constexpr (FMT == 2) xb = _mm256_sign_epi8(xb, sg[c]);
-        isum[c & 1][r] = dot_acc(isum[c & 1][r], u[c], xb);
+        isum[c % A][r] = dot_acc(isum[c % A][r], u[c], xb);
       }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256i total = _mm256_add_epi32(isum[0][r], isum[1][r]);
+      const __m256i total = A == 2 ? _mm256_add_epi32(isum[0][r], isum[A - 1][r]) : isum[0][r];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dv, _mm256_set1_ps(sx[r * G + g])), acc[r]);
       if constexpr (FMT != 2) macc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * G + g]), macc[r]);
     }
@@ -218,7 +225,12 @@ at::Tensor qmatmul(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor&
           switch (fmt * 16 + rows) {
 #define RAGSPEC_CASE(F, R) \
   case F * 16 + R: block<F, R>(G, x0, s0, t0, K, wb, hb, db, mb, y0, N); break;
+#if defined(__AVX512VL__)
+#define RAGSPEC_ROWS(F) RAGSPEC_CASE(F, 1) RAGSPEC_CASE(F, 2) RAGSPEC_CASE(F, 3) RAGSPEC_CASE(F, 4) \
+  RAGSPEC_CASE(F, 5) RAGSPEC_CASE(F, 6) RAGSPEC_CASE(F, 7) RAGSPEC_CASE(F, 8)
+#else
 #define RAGSPEC_ROWS(F) RAGSPEC_CASE(F, 1) RAGSPEC_CASE(F, 2) RAGSPEC_CASE(F, 3) RAGSPEC_CASE(F, 4)
+#endif
             RAGSPEC_ROWS(0) RAGSPEC_ROWS(1) RAGSPEC_ROWS(2)
 #undef RAGSPEC_ROWS
 #undef RAGSPEC_CASE
