@@ -22,36 +22,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# the relevance gate's sentence split (keep them one: the gate's windows are the windows scored here)
-SENTENCE_END = re.compile(r"(?<=[.!?;])\s+|\n+")
+from ragspec.corpus.windows import SENTENCE_END, sentence_spans, window_runs, window_texts
+
+__all__ = ["ELISION", "SENTENCE_END", "SourceUnits", "best_of_titled", "block_spans", "cut_sources", "sentence_spans",
+           "window_runs", "window_texts"]
+
 ELISION = " … "  # between two kept pieces of one source in the prompt
-
-
-def sentence_spans(text: str) -> list[tuple[int, int]]:
-    """(start, end) of each sentence of `text`, stripped: `SENTENCE_END.split(text)`'s non-blank parts."""
-    spans, pos = [], 0
-    for m in [*SENTENCE_END.finditer(text), None]:
-        end = m.start() if m else len(text)
-        part = text[pos:end]
-        if part.strip():
-            lead = len(part) - len(part.lstrip())
-            spans.append((pos + lead, pos + len(part.rstrip())))
-        if m:
-            pos = m.end()
-    return spans
-
-
-def window_runs(n_sentences: int) -> list[tuple[int, int]]:
-    """The (first, last) sentence of each window: runs of two consecutive sentences (one when there is one)."""
-    return [(i, min(i + 1, n_sentences - 1)) for i in range(max(n_sentences - 1, 1))] if n_sentences else []
-
-
-def window_texts(text: str, title: str = "") -> list[str]:
-    """What the gate embeds for a source: each window alone, then each after the source's title (if any)."""
-    spans = sentence_spans(text)
-    runs = [" ".join(text[a:b] for a, b in spans[i:j + 1]) for i, j in window_runs(len(spans))]
-    title = (title or "").strip()
-    return runs + ([f"{title}. {r}" for r in runs] if title else [])
 
 
 # -- code blocks and tables ------------------------------------------------------------------------------------
