@@ -73,6 +73,8 @@ def index(
             f"({s.added} added, {s.changed} changed, {s.deleted} deleted, {s.skipped} skipped), {s.chunks} chunks "
             f"({s.embedded} embedded, {s.reused} reused) in {s.seconds:.1f} s"
             + (f", {s.chunks_per_s:.1f} chunks/s embedding" if s.embedded else "")
+            + (f"; {s.windows_embedded} gate windows embedded ({s.windows_reused} reused) in "
+               f"{s.windows_seconds:.1f} s" if s.windows_embedded else "")
             + f"; FAISS {s.factory} ({s.index_type}); {human_bytes(s.bytes)} on disk"
         )
         if kv_cache:
