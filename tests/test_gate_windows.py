@@ -102,3 +102,77 @@ def test_an_index_without_windows_gets_them_by_indexing_again(tmp_path, f32):
 def test_counts_match_the_window_texts():
     for text, title in [("One. Two? Three!\nFour", "T"), ("Just one", ""), ("  \n ", "T"), ("a. b.", " ")]:
         assert windows.count_windows(text, title) == len(window_texts(text, title))
+
+
+# -- at ask time: the gate and the budget read them ---------------------------------------------------------------
+QUESTIONS = ["What do barges carry on the Rhine?", "Where does the Danube rise?", "How long should dough rise?",
+             "What does mode 'a' do when opening a file?", "Who won the 1966 football world cup?"]
+
+
+@pytest.fixture(scope="module")
+def pipes(tmp_path_factory, f32, smol):
+    """Two pipelines over the same corpus: one index with stored windows, one built before them."""
+    from serve_util import make_pipeline
+
+    root = tmp_path_factory.mktemp("gate")
+    corpus = write_corpus(root / "corpus")
+    spec = {"generator": {"model": "smollm2-135m-instruct", "max_new_tokens": 8},
+            "drafting": {"method": "suffix", "budget": 16}, "retriever": {"top_n": 3},
+            "prompt": {"relevance_floor": "auto", "relevance_doubt": 0.6}}
+    made = []
+    for name in ("stored", "old"):
+        target = root / name
+        build_index(corpus, target, SMALL, embedder=f32, show_progress=False)
+        if name == "old":
+            strip_windows(target)
+        made.append(make_pipeline(target, f32, *smol, spec=spec))
+    return made
+
+
+def test_the_gate_embeds_only_what_the_index_does_not_store(pipes, f32):
+    from ragspec.retrieve.windows import WindowScorer, _whole, stored_vectors, windows
+
+    stored, _ = pipes
+    index = stored.retriever.index
+    calls = []
+
+    class Counting:  # the real embedder, keeping what it is given
+        def encode(self, texts):
+            calls.append(list(texts))
+            return f32.encode(texts)
+
+    for q in QUESTIONS:
+        sources, _ = stored.retrieve(q)
+        calls.clear()
+        WindowScorer(lambda: Counting(), lambda: index).measure(q, sources)
+        known = stored_vectors(index, sources)
+        texts = list(dict.fromkeys([w for s in sources for w in windows(s)] + [_whole(s) for s in sources]))
+        assert calls == [[q] + [t for t in texts if t not in known and t != q]]
+        for s in sources:
+            if len(s.locations[0].chunk_ids) == 1:  # one chunk whole: every text it is judged by is stored
+                assert all(w in known for w in windows(s)) and _whole(s) in known
+
+
+def test_stored_windows_give_the_gate_and_the_budget_the_same_decisions(pipes):
+    stored, old = pipes
+    for q in QUESTIONS:
+        a, b = stored.prepare(q), old.prepare(q)
+        assert a.declined == b.declined and a.relevance == pytest.approx(b.relevance, abs=1e-3)
+        assert stored.relevance_gate.unsure(a.relevance) == old.relevance_gate.unsure(b.relevance)
+        assert a.built.ids == b.built.ids  # the same instruction and the same sources
+        for budget in (1, 24, 60):  # the budget keeps the same windows
+            assert stored.prepare(q, source_tokens=budget).built.ids == old.prepare(q, source_tokens=budget).built.ids
+    assert any(stored.prepare(q).declined for q in QUESTIONS)
+    assert not all(stored.prepare(q).declined for q in QUESTIONS)
+
+
+def test_an_index_without_windows_still_answers_and_says_once_how_to_add_them(pipes, capsys):
+    from ragspec.retrieve import windows as ask_windows
+
+    _, old = pipes
+    ask_windows._told.discard(str(old.retriever.index.folder))
+    first = old.ask(QUESTIONS[0])
+    again = old.ask(QUESTIONS[1])
+    assert not first.declined and first.stats.new_tokens > 0 and again.stats.relevance is not None
+    said = [line for line in capsys.readouterr().err.splitlines() if "gate windows" in line]
+    assert len(said) == 1 and f"ragspec index {old.retriever.index.corpus_root} --out" in said[0]

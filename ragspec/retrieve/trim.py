@@ -12,20 +12,23 @@ embeddings, so nothing is embedded twice), best first, until the budget (`prompt
 
 Every kept piece is a run of whole sentences and an exact slice of the source's text; the pipeline joins them
 with an elision mark, maps every offset back to the document and never lets a citation cross a gap.
+
+As a step (`SourceBudget`, `retrieve.steps`): it cuts by the window cosines the gate measured for the question,
+or measures them itself (windows only) where no gate ran.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ragspec.corpus.windows import SENTENCE_END, sentence_spans, window_runs, window_texts
 
-__all__ = ["ELISION", "SENTENCE_END", "SourceUnits", "best_of_titled", "block_spans", "cut_sources", "sentence_spans",
-           "window_runs", "window_texts"]
+__all__ = ["ELISION", "SENTENCE_END", "BudgetFound", "SourceBudget", "SourceUnits", "best_of_titled", "block_spans",
+           "cut_sources", "sentence_spans", "window_runs", "window_texts"]
 
 ELISION = " … "  # between two kept pieces of one source in the prompt
 
@@ -189,3 +192,33 @@ def best_of_titled(sims: np.ndarray, n_windows: int) -> np.ndarray:
     if len(sims) > n_windows:
         return np.maximum(sims[:n_windows], sims[n_windows:2 * n_windows])
     return sims[:n_windows]
+
+
+@dataclass
+class BudgetFound:
+    """What the budget did: its token count and how many sources it dropped."""
+
+    budget: int
+    dropped: int
+    stop = False
+
+
+@dataclass
+class SourceBudget:
+    """The step: sources cut to `budget` tokens of their best windows (`cut_sources`), renumbered in rank order.
+    `count_tokens(texts)`: the generator's token count of each text; `floor`: `prompt.source_floor`. A source is
+    cut with its `cut(spans)` (pipeline.prompt.SourceText)."""
+
+    budget: int
+    count_tokens: Callable[[list[str]], list[int]]
+    floor: int = 0
+
+    name = "budget"
+
+    def run(self, query, sources) -> tuple[list, BudgetFound]:
+        scores = query.measure(sources, wholes=False).windows
+        spans = cut_sources([SourceUnits.of(s.text) for s in sources], scores, self.budget, self.count_tokens,
+                            self.floor)
+        kept = [s.cut(sp) for s, sp in zip(sources, spans) if sp]
+        kept = [k if k.number == i else replace(k, number=i) for i, k in enumerate(kept, 1)]
+        return kept, BudgetFound(self.budget, len(sources) - len(kept))
