@@ -176,3 +176,18 @@ def test_an_index_without_windows_still_answers_and_says_once_how_to_add_them(pi
     assert not first.declined and first.stats.new_tokens > 0 and again.stats.relevance is not None
     said = [line for line in capsys.readouterr().err.splitlines() if "gate windows" in line]
     assert len(said) == 1 and f"ragspec index {old.retriever.index.corpus_root} --out" in said[0]
+
+
+def test_the_cli_says_what_it_embedded_and_info_whether_they_are_stored(tmp_path):
+    from typer.testing import CliRunner
+
+    from ragspec.cli import app
+
+    runner, out = CliRunner(), tmp_path / "idx"
+    corpus = write_corpus(tmp_path / "corpus")
+    r = runner.invoke(app, ["index", str(corpus), "--out", str(out), "--chunk-tokens", "48", "--overlap", "8"])
+    assert r.exit_code == 0 and "gate windows embedded (0 reused)" in r.output, r.output
+    assert "gate windows stored (float16)" in runner.invoke(app, ["info", str(out)]).output
+    strip_windows(out)
+    r = runner.invoke(app, ["info", str(out)])
+    assert f"none stored: each ask embeds them; ragspec index {corpus} --out {out} adds them" in r.output, r.output

@@ -219,6 +219,10 @@ def info(index_path: Path = typer.Argument(..., metavar="INDEX"),
         out.print(f"  corpus     {m['corpus']['root']}: {c['documents']} documents, {c['chunks']} chunks, "
                   f"{c.get('skipped', 0)} files skipped")
         out.print(f"  embedder   {e['name']} ({e['dimension']}-d, {e['dtype']}, normalised)")
+        win = idx.windows
+        out.print("  windows    " + (f"{len(win.vectors):,} gate windows stored (float16)" if win is not None else
+                                     f"none stored: each ask embeds them; ragspec index {idx.corpus_root} --out "
+                                     f"{index_path} adds them"))
         out.print(f"  chunker    {m['chunker']['tokens']} tokens, overlap {m['chunker']['overlap']}")
         out.print(f"  faiss      {f['factory']} ({f['kind']}, nprobe {f['nprobe']}"
                   + (f", refine ×{f['refine_k_factor']}" if f.get("refine_k_factor") else "")
