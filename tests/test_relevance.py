@@ -15,7 +15,8 @@ from ragspec.errors import RagspecError
 from ragspec.pipeline import DECLINED, DoneEvent, Pipeline, SourcesEvent, TextEvent
 from ragspec.pipeline.pipeline import as_sources
 from ragspec.pipeline.prompt import NO_DECLINE, PromptBuilder, SourceText, system_instruction
-from ragspec.pipeline.relevance import calibrated_floor, is_task_on_sources, resolve_gate, windows
+from ragspec.retrieve.relevance import calibrated_floor, is_task_on_sources, resolve_gate
+from ragspec.retrieve.windows import windows
 from ragspec.settings import parse_floor
 from ragspec.spec import load_spec
 
@@ -168,7 +169,8 @@ def test_the_gate_embeds_each_distinct_text_once():
     embedding every text apart."""
 
     from ragspec.models.embedder import load_embedder
-    from ragspec.pipeline.relevance import RelevanceGate, _whole
+    from ragspec.retrieve.relevance import RelevanceGate
+    from ragspec.retrieve.windows import _whole
 
     real, seen = load_embedder("all-minilm-l6-v2"), []
 
@@ -229,7 +231,7 @@ def test_eval_answers_takes_the_floor(tmp_path):
 def test_window_embeddings_are_remembered_across_asks(embedder):
     """The gate embeds a source's windows once: a later ask over the same sources embeds only its question,
     and scores as it would from nothing."""
-    from ragspec.pipeline.relevance import EmbeddingMemo, measure
+    from ragspec.retrieve.windows import EmbeddingMemo, measure
 
     sources = [SourceText(1, "The Danube flows through ten countries. It rises in the Black Forest. It ends in "
                              "the Black Sea.", "rivers.txt", title="Rivers"),

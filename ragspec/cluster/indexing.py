@@ -6,6 +6,8 @@ actor of the pool holds the embedder (and so its tokenizer): it chunks a batch o
 chunks, so every chunk is tokenized once, on the machine that embeds it. Actors that die are restarted and
 their batches retried by Ray Data; a build that still fails leaves the previous index as it was. Unlike the
 local executor, copies of one text in different batches are each embedded (nothing is shared across actors).
+The relevance gate's window vectors (`index.windows`) are embedded afterwards by the driver, with an embedder of
+the same name, dtype and length loaded there: a build whose windows are many takes that time on the driver.
 """
 
 from __future__ import annotations

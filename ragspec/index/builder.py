@@ -15,7 +15,7 @@ from ragspec.console import console, progress, warn
 from ragspec.corpus.chunker import Chunk, ChunkerSettings, chunk_text
 from ragspec.corpus.loader import Document, ScanReport, SourceFile, read_file, walk
 from ragspec.errors import RagspecError
-from ragspec.index import faiss_index, layout, manifest
+from ragspec.index import faiss_index, layout, manifest, windows
 from ragspec.index.integrity import IndexDamaged
 from ragspec.index.reader import Index
 from ragspec.index.store import StoreWriter, text_hash
@@ -41,6 +41,9 @@ class BuildSummary:
     deleted: int = 0
     seconds: float = 0.0
     embed_seconds: float = 0.0
+    windows_embedded: int = 0  # the gate's window texts embedded (distinct per block), and those reused
+    windows_reused: int = 0
+    windows_seconds: float = 0.0
     factory: str = ""
     index_type: str = ""
     bytes: int = 0
@@ -158,6 +161,7 @@ def build_index(
             and summary.deleted == 0
             and not touched
             and _same_faiss_request(prev.manifest, settings, plan_n)
+            and windows.stored(prev.manifest) is not None
         ):
             summary.up_to_date = True
             summary.documents = prev.store.count_documents()
@@ -203,6 +207,7 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
     rows_from_prev: list[int] = []  # prev chunk ids, in new-id order, for reused chunks
     slots_new: list[int] = []  # rows of `fresh` (the new chunks' vectors), -1 for reused chunks
     all_texts: list[str] = []
+    all_titles: list[str] = []  # each chunk's document title (its titled windows)
     n_docs = 0
     fresh_docs = [d for f in files if f.rel in new_docs for d in new_docs[f.rel]]
     if fresh_docs and executor is None and embedder is None:  # loaded before the clock starts, as always
@@ -210,7 +215,8 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
 
         embedder = load_embedder(settings.embedder, settings.device, settings.embed_dtype, settings.chunk_tokens)
     t_embed = time.perf_counter()
-    done = (executor or LocalExecutor(embedder)).chunk_embed([d.text for d in fresh_docs], settings, show_progress)
+    runner = executor or LocalExecutor(embedder)
+    done = runner.chunk_embed([d.text for d in fresh_docs], settings, show_progress)
     if fresh_docs:
         summary.embed_seconds = time.perf_counter() - t_embed
     next_doc = iter(done.chunks)
@@ -228,6 +234,7 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
                 writer.add_chunks(did, [(o, s, e, t) for _, o, s, e, t in old_chunks])
                 rows_from_prev.extend(cid for cid, *_ in old_chunks)
                 all_texts.extend(t for *_, t in old_chunks)
+                all_titles.extend([doc.title] * len(old_chunks))
                 slots_new.extend([-1] * len(old_chunks))
                 n_docs += 1
         elif f.rel in new_docs:
@@ -243,6 +250,7 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
                     slots_new.append(n_fresh)
                     n_fresh += 1
                     all_texts.append(c.text)
+                    all_titles.append(d.title)
                 n_docs += 1
     writer.close()
     n = len(all_texts)
@@ -259,6 +267,9 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
     np.save(tmp / EMBEDDINGS, vectors.astype(np.float16), allow_pickle=False)
     # FAISS sees exactly the vectors a later incremental build will reuse (stored as float16)
     vectors = vectors.astype(np.float16).astype(np.float32)
+    embed_dtype = done.dtype if fresh_docs else prev.manifest["embedder"]["dtype"]
+    window_rows = _write_windows(tmp, all_texts, all_titles, rows_from_prev, prev, dim, settings, embed_dtype,
+                                 embedder or getattr(runner, "embedder", None), summary, show_progress)
     plan = _faiss_plan(settings, n, dim)
     with console.status(f"FAISS {plan.factory} over {n} vectors") if show_progress else _null():
         index = faiss_index.build(vectors, plan, use_gpu=settings.device == "cuda")
@@ -275,7 +286,6 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
         with console.status("BM25") if show_progress else _null():
             bm25.build(all_texts, tmp / BM25_DIR)
     embedder_name = done.embedder if fresh_docs else prev.manifest["embedder"]["name"]
-    embed_dtype = done.dtype if fresh_docs else prev.manifest["embedder"]["dtype"]
     files_meta = {}
     for p in sorted(tmp.rglob("*")):
         if p.is_file():
@@ -294,6 +304,9 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
                 "dtype": embed_dtype,
                 "normalized": True,
                 "max_tokens": settings.chunk_tokens,
+                # the gate's window vectors (index/windows.py); here, not a key of its own, so that a ragspec
+                # from before them still reads the index (it checks the files and ignores the entry)
+                "windows": windows.manifest_entry(window_rows),
             },
             "faiss": plan.as_dict(),
             "chunker": settings.chunker_dict() | {"tokenizer": embedder_name},
@@ -311,6 +324,31 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
     summary.factory = plan.factory
     summary.index_type = plan.kind
     return summary
+
+
+def _write_windows(tmp, texts, titles, rows_from_prev, prev, dim, settings, dtype, embedder, summary,
+                   show_progress) -> int:
+    """Every chunk's gate windows embedded (index/windows.py): a reused chunk takes its previous vectors when
+    the previous version stored them, any other is embedded. Returns the rows written."""
+    previous = windows.StoredWindows(prev.folder) if prev is not None and windows.stored(prev.manifest) else None
+    if prev is not None and previous is None and any(r >= 0 for r in rows_from_prev):
+        summary.notes.append("the previous version has no gate window vectors: embedding every chunk's windows")
+    chunks = list(zip(texts, titles))
+    reuse = rows_from_prev if previous is not None else [-1] * len(chunks)
+    need = windows.to_embed(chunks, reuse, previous)
+    if need and embedder is None:
+        from ragspec.models.embedder import load_embedder
+
+        embedder = load_embedder(settings.embedder, settings.device, dtype, settings.chunk_tokens)
+    t = time.perf_counter()
+    with progress() as bar:
+        task = bar.add_task("embedding gate windows", total=need, visible=show_progress and need > 0)
+        embedded, reused = windows.write(
+            tmp, chunks, reuse, previous,
+            lambda batch, tick: embedder.encode(batch, settings.embed_batch_size, on_batch=tick), dim, bar, task)
+    summary.windows_embedded, summary.windows_reused = embedded, reused
+    summary.windows_seconds = time.perf_counter() - t if need else 0.0
+    return int(np.load(tmp / windows.OFFSETS)[-1])
 
 
 @dataclass

@@ -34,6 +34,7 @@ class Index:
         self._faiss = None
         self._bm25 = None
         self._embeddings = None
+        self._windows = False  # index.windows.StoredWindows, None when this version has none; read on first use
         self._fields = None
         self._lock = threading.Lock()
 
@@ -84,6 +85,17 @@ class Index:
 
                 self._embeddings = np.load(self.folder / "embeddings.npy", mmap_mode="r", allow_pickle=False)
             return self._embeddings
+
+    @property
+    def windows(self):
+        """The gate's window vectors stored with this version (`index.windows.StoredWindows`), or None for an
+        index built before them (the gate then embeds windows at ask time)."""
+        with self._lock:
+            if self._windows is False:
+                from ragspec.index.windows import StoredWindows, stored
+
+                self._windows = StoredWindows(self.folder) if stored(self.manifest) else None
+            return self._windows
 
     def allowed_chunks(self, flt: dict):
         """Chunk ids (sorted int64) of the documents a filter keeps; an unknown field is one error line."""

@@ -1,4 +1,5 @@
-"""`Pipeline`: retrieve → build the prompt → draft-and-verify generation → citations, streamed.
+"""`Pipeline`: retrieve → the steps after retrieval (relevance gate, source budget) → build the prompt →
+draft-and-verify generation → citations, streamed.
 
 Models and the index load once per pipeline (a generator once per process, shared by the pipelines that
 name it) and are reused by every call. Calls from several threads are safe: retrieval runs concurrently,
@@ -12,7 +13,7 @@ import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from ragspec.decoding.drafters import check_params, make_drafter
@@ -31,7 +32,8 @@ from ragspec.pipeline.answer import (
 from ragspec.pipeline.attribution import CopyMatcher
 from ragspec.pipeline.declined import is_declined
 from ragspec.pipeline.prompt import NO_DECLINE, BuiltPrompt, PromptBuilder, SourceText
-from ragspec.pipeline.relevance import is_task_on_sources
+from ragspec.retrieve.relevance import is_task_on_sources
+from ragspec.retrieve.steps import Query, run_steps
 from ragspec.spec import PipelineSpec, load_spec
 
 GUESS_RECHECK_S = 10.0  # a pipeline on a guessed backend looks this often (between asks) for the measured table
@@ -67,6 +69,7 @@ class Pipeline:
         self._calibration = None  # scored drafts' acceptance by confidence, learned likewise
         self._memory = None  # earlier answers the suffix drafter may copy (drafting.memory)
         self._gate = False  # the relevance gate (prompt.relevance_floor), resolved on first use; None: off
+        self._scorer = None  # retrieve.windows.WindowScorer: the gate's and the budget's window cosines
         self.prefix_cache = None  # a decoding.prefix_cache.PrefixStore: follow-ups reuse the KV of shared prefixes
         self._source_store = None  # decoding.source_cache.SourceKVStore (generator.source_cache), made on first use
         self.choice = None  # models.machine.Choice: the backend and dtype `load` took, and why
@@ -210,26 +213,53 @@ class Pipeline:
         return PromptBuilder(self.tokenizer, p.style, p.system, budget, decline=decline or self.decline)
 
     @property
+    def window_scorer(self):
+        """What measures the question against the sources' windows for the gate and the budget
+        (`retrieve.windows`): the index's embedder and the window vectors it stores, or without an index the
+        default embedder (float32)."""
+        with self._load_lock:
+            if self._scorer is None:
+                from ragspec.retrieve.windows import WindowScorer
+
+                if self._index_arg is not None:
+                    self._scorer = WindowScorer(lambda: self.retriever.embedder, lambda: self.retriever.index)
+                else:
+                    from ragspec.models.embedder import load_embedder
+                    from ragspec.models.registry import DEFAULT_EMBEDDER
+
+                    self._scorer = WindowScorer(lambda: load_embedder(DEFAULT_EMBEDDER, "cpu", "float32"))
+            return self._scorer
+
+    @property
     def relevance_gate(self):
-        """The relevance gate of `prompt.relevance_floor` (`pipeline.relevance`), or None when it is off. It uses
-        the index's embedder, or without an index the default embedder (float32)."""
+        """The relevance gate of `prompt.relevance_floor` (`retrieve.relevance`), or None when it is off. It
+        measures with `window_scorer`."""
         with self._load_lock:
             if self._gate is False:
                 from ragspec.models.registry import DEFAULT_EMBEDDER
-                from ragspec.pipeline.relevance import resolve_gate
+                from ragspec.retrieve.relevance import resolve_gate
 
-                if self._index_arg is not None:
-                    name = self.retriever.index.manifest["embedder"]["requested"]
-                    self._gate = resolve_gate(self.spec.prompt.relevance_floor, lambda: self.retriever.embedder, name,
-                                              self.spec.prompt.relevance_doubt, self.spec.generator.model)
-                else:
-                    from ragspec.models.embedder import load_embedder
-
-                    self._gate = resolve_gate(self.spec.prompt.relevance_floor,
-                                              lambda: load_embedder(DEFAULT_EMBEDDER, "cpu", "float32"),
-                                              DEFAULT_EMBEDDER, self.spec.prompt.relevance_doubt,
-                                              self.spec.generator.model)
+                scorer = self.window_scorer
+                name = (self.retriever.index.manifest["embedder"]["requested"] if self._index_arg is not None
+                        else DEFAULT_EMBEDDER)
+                self._gate = resolve_gate(self.spec.prompt.relevance_floor, lambda: scorer.embedder, name,
+                                          self.spec.prompt.relevance_doubt, self.spec.generator.model, scorer)
             return self._gate
+
+    def source_steps(self, budget: int | None) -> list:
+        """The steps after retrieval, in order: the relevance gate (when on), then the source budget (`budget`
+        tokens; None: sources whole)."""
+        steps = [] if self.relevance_gate is None else [self.relevance_gate]
+        if budget is not None:
+            from ragspec.retrieve.trim import SourceBudget
+
+            tok = self.tokenizer
+
+            def count(texts: list[str]) -> list[int]:
+                return [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+
+            steps.append(SourceBudget(budget, count, self.spec.prompt.source_floor))
+        return steps
 
     # -- retrieval -------------------------------------------------------------------------------------------
     def retrieve(self, question: str, filter=None) -> tuple[list[SourceText], float]:
@@ -301,31 +331,23 @@ class Pipeline:
             sources, retrieval_ms = self.retrieve(question, filter)
         else:
             sources, retrieval_ms = as_sources(documents), 0.0
-        relevance = None
-        # the gate judges a conversation's first question; a follow-up keeps that turn's instruction, so its prompt
-        # starts with the first turn's (the prefix cache reuses it)
+        # the steps judge a conversation's first question; a follow-up keeps that turn's instruction and sources, so
+        # its prompt starts with the first turn's (the prefix cache reuses it)
         first = str(history[0].get("content", "")) if history and isinstance(history[0], dict) else question
         on_sources = bool(sources) and not is_task_on_sources(first)
-        gate = self.relevance_gate if on_sources else None
         budget = self.resolve_source_budget(source_tokens) if on_sources else None
-        measured = None
-        if gate is not None and (not history or gate.doubt is not None):
-            measured = gate.measure(first, sources)
-            relevance = measured.score
-        declined = not history and gate is not None and not gate.passes(relevance)
-        cut_dropped = 0
-        if budget is not None and not declined:  # cut by the first question: a follow-up keeps the first prompt
-            if measured is None:
-                measured = self._measure_windows(first, sources)
-            sources, cut_dropped = self._cut_sources(sources, measured.windows, budget)
+        steps = self.source_steps(budget) if on_sources else []
+        query = Query(first, self.window_scorer if steps else None, follow_up=bool(history))
+        sources, found = run_steps(steps, query, sources)
+        gate, cut = found.get("gate"), found.get("budget")
+        declined = gate is not None and gate.declined
         # past the gate a source is about the question: the model is asked to answer, not offered to decline,
         # unless the score is in the gate's unsure band
-        decline = None if gate is None or (relevance is not None and gate.unsure(relevance)) else NO_DECLINE
+        decline = NO_DECLINE if gate is not None and not gate.unsure else None
         with self._gen_lock:  # built first: a prompt over the budget is an error, gated or not
             built = self.prompt_builder(max_new, decline).build(question, sources, history, instructions)
-        built.source_budget, built.dropped = budget, built.dropped + cut_dropped
-        if history:
-            relevance = None  # the gate judged the first turn, not this one
+        built.source_budget, built.dropped = budget, built.dropped + (cut.dropped if cut else 0)
+        relevance = gate.score if gate is not None and not history else None  # a follow-up: judged on the first turn
         return Prepared(built, sources, retrieval_ms, relevance, declined)
 
     def source_cache_on(self, value: str | None = None) -> bool:
@@ -419,38 +441,6 @@ class Pipeline:
             entry = generator_entry(self.spec.generator.model)
             value = entry.extra.get("source_tokens") if entry else None
         return int(value) if value is not None else None
-
-    def _measure_windows(self, question: str, sources: list[SourceText]):
-        """Each source's window cosines with the question, when the relevance gate did not measure them."""
-        from ragspec.pipeline.relevance import measure
-
-        gate = self.relevance_gate
-        if gate is not None:
-            return gate.measure(question, sources, wholes=False)
-        if self._index_arg is not None:
-            embedder = self.retriever.embedder
-        else:
-            from ragspec.models.embedder import load_embedder
-            from ragspec.models.registry import DEFAULT_EMBEDDER
-
-            embedder = load_embedder(DEFAULT_EMBEDDER, "cpu", "float32")
-        return measure(embedder, question, sources, wholes=False, lock=self._load_lock)
-
-    def _cut_sources(self, sources: list[SourceText], window_scores, budget: int) -> tuple[list[SourceText], int]:
-        """The sources cut to the source budget (retrieve.trim), renumbered in rank order, and how many it
-        dropped."""
-        from ragspec.retrieve.trim import SourceUnits, cut_sources
-
-        tok = self.tokenizer
-
-        def count(texts: list[str]) -> list[int]:
-            return [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
-
-        spans = cut_sources([SourceUnits.of(s.text) for s in sources], window_scores, budget, count,
-                            self.spec.prompt.source_floor)
-        kept = [s.cut(sp) for s, sp in zip(sources, spans) if sp]
-        kept = [k if k.number == i else replace(k, number=i) for i, k in enumerate(kept, 1)]
-        return kept, len(sources) - len(kept)
 
     def _declined(self, question: str, sources: list[SourceText], retrieval_ms: float, relevance: float,
                   t_start: float) -> Iterator[Event]:

@@ -30,7 +30,7 @@ DECLINE = {
                 f"asks, reply exactly: {DECLINED}",
 }
 DECLINES = tuple(DECLINE)
-# after the relevance gate found a source about the question (pipeline.relevance), the model is not offered to
+# after the relevance gate found a source about the question (retrieve.relevance), the model is not offered to
 # decline: the 0.5B declined 23 % of answerable NQ questions when it was
 NO_DECLINE = "none"
 

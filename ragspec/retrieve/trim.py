@@ -12,46 +12,25 @@ embeddings, so nothing is embedded twice), best first, until the budget (`prompt
 
 Every kept piece is a run of whole sentences and an exact slice of the source's text; the pipeline joins them
 with an elision mark, maps every offset back to the document and never lets a citation cross a gap.
+
+As a step (`SourceBudget`, `retrieve.steps`): it cuts by the window cosines the gate measured for the question,
+or measures them itself (windows only) where no gate ran.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-# the relevance gate's sentence split (keep them one: the gate's windows are the windows scored here)
-SENTENCE_END = re.compile(r"(?<=[.!?;])\s+|\n+")
+from ragspec.corpus.windows import SENTENCE_END, sentence_spans, window_runs, window_texts
+
+__all__ = ["ELISION", "SENTENCE_END", "BudgetFound", "SourceBudget", "SourceUnits", "best_of_titled", "block_spans",
+           "cut_sources", "sentence_spans", "window_runs", "window_texts"]
+
 ELISION = " … "  # between two kept pieces of one source in the prompt
-
-
-def sentence_spans(text: str) -> list[tuple[int, int]]:
-    """(start, end) of each sentence of `text`, stripped: `SENTENCE_END.split(text)`'s non-blank parts."""
-    spans, pos = [], 0
-    for m in [*SENTENCE_END.finditer(text), None]:
-        end = m.start() if m else len(text)
-        part = text[pos:end]
-        if part.strip():
-            lead = len(part) - len(part.lstrip())
-            spans.append((pos + lead, pos + len(part.rstrip())))
-        if m:
-            pos = m.end()
-    return spans
-
-
-def window_runs(n_sentences: int) -> list[tuple[int, int]]:
-    """The (first, last) sentence of each window: runs of two consecutive sentences (one when there is one)."""
-    return [(i, min(i + 1, n_sentences - 1)) for i in range(max(n_sentences - 1, 1))] if n_sentences else []
-
-
-def window_texts(text: str, title: str = "") -> list[str]:
-    """What the gate embeds for a source: each window alone, then each after the source's title (if any)."""
-    spans = sentence_spans(text)
-    runs = [" ".join(text[a:b] for a, b in spans[i:j + 1]) for i, j in window_runs(len(spans))]
-    title = (title or "").strip()
-    return runs + ([f"{title}. {r}" for r in runs] if title else [])
 
 
 # -- code blocks and tables ------------------------------------------------------------------------------------
@@ -213,3 +192,33 @@ def best_of_titled(sims: np.ndarray, n_windows: int) -> np.ndarray:
     if len(sims) > n_windows:
         return np.maximum(sims[:n_windows], sims[n_windows:2 * n_windows])
     return sims[:n_windows]
+
+
+@dataclass
+class BudgetFound:
+    """What the budget did: its token count and how many sources it dropped."""
+
+    budget: int
+    dropped: int
+    stop = False
+
+
+@dataclass
+class SourceBudget:
+    """The step: sources cut to `budget` tokens of their best windows (`cut_sources`), renumbered in rank order.
+    `count_tokens(texts)`: the generator's token count of each text; `floor`: `prompt.source_floor`. A source is
+    cut with its `cut(spans)` (pipeline.prompt.SourceText)."""
+
+    budget: int
+    count_tokens: Callable[[list[str]], list[int]]
+    floor: int = 0
+
+    name = "budget"
+
+    def run(self, query, sources) -> tuple[list, BudgetFound]:
+        scores = query.measure(sources, wholes=False).windows
+        spans = cut_sources([SourceUnits.of(s.text) for s in sources], scores, self.budget, self.count_tokens,
+                            self.floor)
+        kept = [s.cut(sp) for s, sp in zip(sources, spans) if sp]
+        kept = [k if k.number == i else replace(k, number=i) for i, k in enumerate(kept, 1)]
+        return kept, BudgetFound(self.budget, len(sources) - len(kept))

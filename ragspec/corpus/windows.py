@@ -1,0 +1,42 @@
+"""A text's two-sentence windows: what the relevance gate embeds and the source budget cuts by.
+
+Why here: the index embeds every chunk's windows when it is built (`index.windows`) and an ask reads them back
+(`retrieve.windows`); both must split a text the same way, so the one definition sits below both layers. A
+change to the split changes every stored window's text: bump `WINDOWS_VERSION` with it, and an index built
+before is read as one without stored windows (ask-time embedding) until it is built again.
+"""
+
+from __future__ import annotations
+
+import re
+
+WINDOWS_VERSION = 1  # the definition below; stored with an index's window vectors
+
+SENTENCE_END = re.compile(r"(?<=[.!?;])\s+|\n+")
+
+
+def sentence_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each sentence of `text`, stripped: `SENTENCE_END.split(text)`'s non-blank parts."""
+    spans, pos = [], 0
+    for m in [*SENTENCE_END.finditer(text), None]:
+        end = m.start() if m else len(text)
+        part = text[pos:end]
+        if part.strip():
+            lead = len(part) - len(part.lstrip())
+            spans.append((pos + lead, pos + len(part.rstrip())))
+        if m:
+            pos = m.end()
+    return spans
+
+
+def window_runs(n_sentences: int) -> list[tuple[int, int]]:
+    """The (first, last) sentence of each window: runs of two consecutive sentences (one when there is one)."""
+    return [(i, min(i + 1, n_sentences - 1)) for i in range(max(n_sentences - 1, 1))] if n_sentences else []
+
+
+def window_texts(text: str, title: str = "") -> list[str]:
+    """What the gate embeds for a source: each window alone, then each after the source's title (if any)."""
+    spans = sentence_spans(text)
+    runs = [" ".join(text[a:b] for a, b in spans[i:j + 1]) for i, j in window_runs(len(spans))]
+    title = (title or "").strip()
+    return runs + ([f"{title}. {r}" for r in runs] if title else [])
