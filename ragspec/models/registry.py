@@ -69,7 +69,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
             note="Q4_K_M GGUF in 6 parts; the default generator",
             # the relevance gate measured for this generator, per embedder: (floor, doubt), chosen on CLAP NQ
-            # 151-300 and NQ-open 201-400 (docs/evaluation.md, *Declining*; pipeline/relevance.py); the source
+            # 151-300 and NQ-open 201-400 (docs/evaluation.md, *Declining*; retrieve/relevance.py); the source
             # budget that halves the quickstart prompts with answers within one standard error of whole sources
             # (docs/evaluation.md, *The source budget, measured*)
             extra={"relevance_band": {"all-minilm-l6-v2": (0.49, 0.58)}, "source_tokens": 256},
@@ -98,7 +98,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             size=90_868_376,
             hub_id="sentence-transformers/all-MiniLM-L6-v2",
             note="384-d; the default embedder",
-            # the relevance gate's floor (pipeline/relevance.py): the lower of the two scores below which 15 % of
+            # the relevance gate's floor (retrieve/relevance.py): the lower of the two scores below which 15 % of
             # the answerable records fall, CLAP NQ 151-300 (0.564) and NQ-open 201-400 (0.531) (docs/evaluation.md, *Declining*)
             extra={"relevance_floor": 0.53},
         ),
