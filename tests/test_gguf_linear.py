@@ -1,7 +1,7 @@
 """dtype gguf (`models/gguf_linear.py`, `models/gguf_kernel.cpp`): the shipped GGUF's blocks run as integers.
 
-What is checked: the block mapping reproduces `gguf`'s own de-quantization (exactly where the GGUF's scales are
-fp16, within the fp16 rounding of Q4_K's scale products otherwise); the kernel computes the de-quantized weight
+What is checked: the block mapping reproduces `gguf`'s own de-quantization exactly (Q4_0/Q4_1/Q5_0/Q8_0, and Q4_K
+and Q6_K with their sub-scales as stored); the kernel computes the de-quantized weight
 times the int8-quantized activations (float rounding only); a row's output is bit-identical alone or inside any
 batch; and greedy draft-and-verify on SmolLM2 (Q4_1 linears, a Q8_0 tied head) equals plain greedy of the same
 model for every drafter that runs on transformers.
@@ -42,33 +42,46 @@ def quantized_input(x: torch.Tensor) -> torch.Tensor:
     return (q * (amax / 127.0)).reshape(x.shape)
 
 
+FMTS = ["u4", "u5", "s8", "u6", "u4k"]
+TOP = {"u4": 16, "u5": 32, "u6": 64, "u4k": 16}
+
+
 def random_linear(fmt: str, rows: int, cols: int, seed: int = 0, bias: bool = False) -> GGUFLinear:
     rng = np.random.default_rng(seed)
+    g = cols // GROUP
     if fmt == "s8":
         q, d, m = requantize_s8((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32))
+    elif fmt == "u4k":  # Q4_K: D, Dmin per 256 inputs, 6-bit scale and min per 32
+        q = rng.integers(0, 16, (rows, cols)).astype(np.uint8)
+        d = (rng.random((rows, g // 8, 2)) * 0.001).astype(np.float32)
+        m = rng.integers(0, 64, (rows, g, 2)).astype(np.uint8)
+    elif fmt == "u6":  # Q6_K: D per 256 inputs, an int8 scale per 16
+        q = rng.integers(0, 64, (rows, cols)).astype(np.uint8)
+        d = (rng.random((rows, g // 8)) * 0.001).astype(np.float32)
+        m = rng.integers(-128, 128, (rows, g, 2)).astype(np.int8)
     else:
-        top = 16 if fmt == "u4" else 32
-        q = rng.integers(0, top, (rows, cols)).astype(np.uint8)
-        d = (rng.random((rows, cols // GROUP)) * 0.01).astype(np.float32)
-        m = (-rng.random((rows, cols // GROUP)) * 0.05).astype(np.float32)
+        q = rng.integers(0, TOP[fmt], (rows, cols)).astype(np.uint8)
+        d = (rng.random((rows, g)) * 0.01).astype(np.float32)
+        m = (-rng.random((rows, g)) * 0.05).astype(np.float32)
     b = torch.randn(rows) if bias else None
     return GGUFLinear(fmt, q, d, m, b, prompt_copy=False)
 
 
-@pytest.mark.parametrize("fmt", ["u4", "u5", "s8"])
+@pytest.mark.parametrize("fmt", FMTS)
 def test_pack_round_trips(fmt):
     rng = np.random.default_rng(1)
     q = (rng.integers(-127, 128, (20, 64)).astype(np.int8) if fmt == "s8"
-         else rng.integers(0, 16 if fmt == "u4" else 32, (20, 64)).astype(np.uint8))
+         else rng.integers(0, TOP[fmt], (20, 64)).astype(np.uint8))
     w, wh = pack(fmt, q)
     assert np.array_equal(unpack(fmt, w, wh, 20).numpy(), q.astype(np.int16))
 
 
-@pytest.mark.parametrize("fmt", ["u4", "u5", "s8"])
+@pytest.mark.parametrize("fmt", FMTS)
 def test_kernel_equals_dequantized_reference(fmt):
     """y = quantized x · Wᵀ within float rounding (the int8 activation error is in the reference too)."""
-    lin = random_linear(fmt, 200, 640, bias=True)  # 200 outputs: not a multiple of the kernel's 8
-    x = torch.randn(9, 640)
+    cols = 768 if fmt in ("u6", "u4k") else 640  # K-quants come in super-blocks of 256 inputs
+    lin = random_linear(fmt, 200, cols, bias=True)  # 200 outputs: not a multiple of the kernel's 8
+    x = torch.randn(9, cols)
     with torch.inference_mode():
         y = lin(x)
         ref = quantized_input(x) @ lin.dequantize().t() + lin.bias
@@ -79,19 +92,19 @@ def test_kernel_equals_dequantized_reference(fmt):
     assert ((y - exact).norm(dim=-1) / exact.norm(dim=-1)).max() < 0.03
 
 
-@pytest.mark.parametrize("fmt", ["u4", "u5", "s8"])
+@pytest.mark.parametrize("fmt", FMTS)
 def test_rows_are_independent(fmt):
     """Every row is the same bits alone, in a 16-row tree, at any place in any batch (across the kernel's tiles
     of 4 rows)."""
-    lin = random_linear(fmt, 136, 256, seed=2)
-    x = torch.randn(37, 256)
+    lin = random_linear(fmt, 136, 512, seed=2)
+    x = torch.randn(37, 512)
     with torch.inference_mode():
         full = lin(x)
         for m in (1, 2, 3, 5, 7, 16, 17, 33):
             assert torch.equal(lin(x[:m]), full[:m])
         for i in (0, 5, 16, 36):
             assert torch.equal(lin(x[i : i + 1]), full[i : i + 1])
-        assert torch.equal(lin(x[:16].reshape(1, 16, 256)), full[:16].reshape(1, 16, 136))  # 3-D input
+        assert torch.equal(lin(x[:16].reshape(1, 16, 512)), full[:16].reshape(1, 16, 136))  # 3-D input
 
 
 def test_zero_rows_and_bad_shapes():
@@ -149,20 +162,12 @@ def _installed(name: str) -> bool:
 
 @pytest.mark.skipif(not _installed(QWEN), reason="the 0.5B's weight packages are not installed")
 def test_qwen_blocks_map_as_documented():
-    """Q5_0 exactly; Q4_K within the fp16 rounding of d·sc and dmin·m (2⁻¹¹ relative, times q ≤ 15);
-    Q6_K re-quantized to int8 per group (half a step of max|w|/127)."""
+    """Q5_0, Q4_K and Q6_K exactly: the K-quants keep their sub-scales as stored, D·sc is exact in float32."""
     found = _tensors(QWEN, {"Q5_0", "Q4_K", "Q6_K"})
     assert set(found) == {"Q5_0", "Q4_K", "Q6_K"}
-    fmt, got, want, _, _ = _check_mapping(found["Q5_0"])
-    assert fmt == "u5" and np.array_equal(got, want)
-    fmt, got, want, d, m = _check_mapping(found["Q4_K"])
-    bound = (np.abs(d) * 15 + np.abs(m)) * 2.0**-11
-    assert fmt == "u4"
-    assert (np.abs(got - want).reshape(*d.shape, GROUP) <= bound[..., None] * 1.0001 + 1e-12).all()
-    fmt, got, want, d, _ = _check_mapping(found["Q6_K"])
-    step = np.abs(want).reshape(*d.shape, GROUP).max(-1) / 127
-    assert fmt == "s8"
-    assert (np.abs(got - want).reshape(*d.shape, GROUP) <= step[..., None] * 0.5 * 1.01 + 1e-9).all()
+    for kind, fmt in (("Q5_0", "u5"), ("Q4_K", "u4k"), ("Q6_K", "u6")):
+        got_fmt, got, want, _, _ = _check_mapping(found[kind])
+        assert got_fmt == fmt and np.array_equal(got, want), kind
 
 
 # -- the whole model ------------------------------------------------------------------------------------------
@@ -193,6 +198,29 @@ def test_every_linear_runs_the_gguf_blocks(smol_gguf):
     assert sum(isinstance(m, GGUFLinear) for m in model.modules()) == 7 * layers + 1
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert model.config._attn_implementation == "ragspec_exact"
+
+
+def test_fused_mlp_and_norm(smol_gguf):
+    """Every MLP and RMSNorm runs as one kernel call; each equals the modules' own formula within float (and
+    int8 re-quantization) rounding, and a row is the same bits alone or in any batch."""
+    from ragspec.models.fused_layers import FusedMLP, FusedRMSNorm
+
+    model, _ = smol_gguf
+    layers = model.config.num_hidden_layers
+    mlps = [m for m in model.modules() if isinstance(m, FusedMLP)]
+    norms = [m for m in model.modules() if isinstance(m, FusedRMSNorm)]
+    assert len(mlps) == layers and len(norms) == 2 * layers + 1
+    mlp, norm = mlps[3], norms[3]
+    x = torch.randn(37, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        y, n = mlp(x), norm(x)
+        ref = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        assert ((y - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 1e-3
+        ref_n = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+        assert ((n - ref_n).abs().max() / ref_n.abs().max()) < 1e-6
+        for m in (1, 2, 5, 16, 33):
+            assert torch.equal(mlp(x[:m]), y[:m]) and torch.equal(norm(x[:m]), n[:m])
+        assert torch.equal(mlp(x[5:6]), y[5:6]) and torch.equal(norm(x[:16].reshape(2, 8, -1)), n[:16].reshape(2, 8, -1))
 
 
 @pytest.mark.parametrize("method", ["none", "pld", "trie", "suffix", "lookahead", "ngrammys", "auto",

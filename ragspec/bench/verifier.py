@@ -16,9 +16,11 @@ import datetime
 import json
 import time
 
-# the 0.5B's linears of one layer: (outputs, inputs, kernel format 1 = u5 / 2 = s8), as its Q4_K_M GGUF maps
+# the 0.5B's linears of one layer: (outputs, inputs, kernel format 1 = u5 / 2 = s8 / 3 = u6 / 4 = u4k), as its
+# Q4_K_M GGUF maps (its ffn_down is Q6_K in half the layers, Q4_K in the others)
 LAYER_05B = [(896, 896, 1), (128, 896, 1), (128, 896, 2), (896, 896, 1), (4864, 896, 1), (4864, 896, 1),
-             (896, 4864, 2)]
+             (896, 4864, 3)]
+LAYER_05B_ODD = LAYER_05B[:-1] + [(896, 4864, 4)]
 
 
 def candidates(model: str, rounds: int) -> None:
@@ -42,12 +44,15 @@ def kernel(rows: list[int], head: bool, reps: int = 5) -> None:
     def blocks(n, k, fmt):
         groups = k // 32
         w = torch.randint(0, 256, (n // 8, groups, 256 if fmt == 2 else 128), dtype=torch.uint8, generator=g)
-        wh = (torch.randint(0, 256, (n // 8, groups, 32), dtype=torch.uint8, generator=g) if fmt == 1
-              else torch.empty(0, dtype=torch.uint8))
+        wh = torch.randint(0, 256, (n // 8, groups, {1: 32, 3: 64}.get(fmt, 0)), dtype=torch.uint8, generator=g)
+        if fmt >= 3:  # K-quants: D (and Dmin) per 8 groups, byte scales per group
+            d = torch.full((n // 8, groups // 8, 8 * (fmt - 2)), 0.001, dtype=torch.float16).view(torch.int16)
+            return k, n, fmt, w, wh, d, torch.randint(0, 64, (n // 8, groups, 16), dtype=torch.uint8, generator=g)
         d = torch.full((n // 8, groups, 8), 0.01, dtype=torch.float16).view(torch.int16)
         return k, n, fmt, w, wh, d, (d.clone() if fmt != 2 else torch.empty(0, dtype=torch.int16))
 
-    linears = [blocks(n, k, f) for _ in range(24) for n, k, f in LAYER_05B] + ([blocks(151936, 896, 2)] if head else [])
+    linears = [blocks(n, k, f) for i in range(24) for n, k, f in (LAYER_05B if i % 2 == 0 else LAYER_05B_ODD)]
+    linears += [blocks(151936, 896, 2)] if head else []
     macs = sum(k * n for k, n, *_ in linears)
     for m in rows:
         xs = {k: ops.quantize_rows(torch.randn(m, k)) for k in {k for k, *_ in linears}}

@@ -20,6 +20,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -118,69 +119,114 @@ at::Tensor exact_attention(const at::Tensor& q_in, const at::Tensor& k, const at
 #if defined(__AVX2__)
   const bool wide = D % 16 == 0;
 #endif
-  // one task per (batch, query head, query row): each reads its own row only
-  at::parallel_for(0, B * H * Q, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(K + 8), acc(D);
-    std::vector<int32_t> seen(K);
+  // one task per (batch, key/value head, query row): the query heads that share a key/value head run together over
+  // blocks of keys that stay in L1, so the cache is read once for all of them; each (head, row) still runs the
+  // same arithmetic in the same key order, whatever else the task or the batch holds.
+  constexpr int64_t KB = 32;  // keys per block: 32 keys x D floats of k or v (16 KB at D = 128)
+  at::parallel_for(0, B * HKV * Q, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(groups * (K + 8)), acc(groups * D);
+    std::vector<int32_t> seen(groups * K), count(groups);
+    std::vector<float> top(groups);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / (H * Q), h = (t / Q) % H, i = t % Q, hk = h / groups;
-      const float* qr = pq + ((b * H + h) * Q + i) * D;
+      const int64_t b = t / (HKV * Q), hk = (t / Q) % HKV, i = t % Q;
       const float* kb = pk + b * ks0 + hk * ks1;
       const float* vb = pv + b * vs0 + hk * vs1;
-      const float* mr = has_mask ? pm + b * ms0 + h * ms1 + i * ms2 : nullptr;
-      int64_t n = 0;
-      float top = -INFINITY;
-      for (int64_t j = 0; j < K; ++j) {
-        if (mr && mr[j] <= hidden) continue;  // a hidden key adds an exact zero: left out
+      std::fill(count.begin(), count.end(), 0);
+      std::fill(top.begin(), top.end(), -INFINITY);
+      for (int64_t j0 = 0; j0 < K; j0 += KB) {
+        const int64_t j1 = std::min(K, j0 + KB);
+        for (int64_t e = 0; e < groups; ++e) {
+          const int64_t h = hk * groups + e;
+          const float* qr = pq + ((b * H + h) * Q + i) * D;
+          const float* mr = has_mask ? pm + b * ms0 + h * ms1 + i * ms2 : nullptr;
+          float* se = s.data() + e * (K + 8);
+          int32_t* sn = seen.data() + e * K;
+          int64_t n = count[e];
+          float tp = top[e];
+          for (int64_t j = j0; j < j1; ++j) {
+            if (mr && mr[j] <= hidden) continue;  // a hidden key adds an exact zero: left out
 #if defined(__AVX2__)
-        float x = (wide ? dot16(qr, kb + j * ks2, D) : dot(qr, kb + j * ks2, D)) * scaling;
+            float x = (wide ? dot16(qr, kb + j * ks2, D) : dot(qr, kb + j * ks2, D)) * scaling;
 #else
-        float x = dot(qr, kb + j * ks2, D) * scaling;
+            float x = dot(qr, kb + j * ks2, D) * scaling;
 #endif
-        if (mr) x += mr[j];
-        s[n] = x;
-        seen[n++] = static_cast<int32_t>(j);
-        top = x > top ? x : top;
-      }
-      float* o = po + ((b * Q + i) * H + h) * D;
-      if (n == 0 || !std::isfinite(top)) {  // a fully hidden row (padding): zeros
-        std::memset(o, 0, D * sizeof(float));
-        continue;
-      }
-#if defined(__AVX2__)
-      for (int64_t j = 0; j < n; j += 8) {  // s has room for 8 more: lanes past n are computed, never read
-        _mm256_storeu_ps(s.data() + j, exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s.data() + j), _mm256_set1_ps(top))));
-      }
-#else
-      for (int64_t j = 0; j < n; ++j) s[j] = exp_neg(s[j] - top);
-#endif
-      double total = 0.0;
-      for (int64_t j = 0; j < n; ++j) total += s[j];
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      int64_t d0 = 0;
-#if defined(__AVX2__)
-      for (; d0 + 32 <= D; d0 += 32) {  // 32 outputs in four registers across all keys, in key order
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t j = 0; j < n; ++j) {
-          const float* vr = vb + seen[j] * vs2 + d0;
-          const __m256 p = _mm256_set1_ps(s[j]);
-          a0 = _mm256_add_ps(a0, _mm256_mul_ps(p, _mm256_loadu_ps(vr)));
-          a1 = _mm256_add_ps(a1, _mm256_mul_ps(p, _mm256_loadu_ps(vr + 8)));
-          a2 = _mm256_add_ps(a2, _mm256_mul_ps(p, _mm256_loadu_ps(vr + 16)));
-          a3 = _mm256_add_ps(a3, _mm256_mul_ps(p, _mm256_loadu_ps(vr + 24)));
+            if (mr) x += mr[j];
+            se[n] = x;
+            sn[n++] = static_cast<int32_t>(j);
+            tp = x > tp ? x : tp;
+          }
+          count[e] = n;
+          top[e] = tp;
         }
-        _mm256_storeu_ps(acc.data() + d0, a0);
-        _mm256_storeu_ps(acc.data() + d0 + 8, a1);
-        _mm256_storeu_ps(acc.data() + d0 + 16, a2);
-        _mm256_storeu_ps(acc.data() + d0 + 24, a3);
       }
+      for (int64_t e = 0; e < groups; ++e) {
+        float* se = s.data() + e * (K + 8);
+        const int64_t n = count[e];
+        if (n == 0 || !std::isfinite(top[e])) continue;
+#if defined(__AVX2__)
+        for (int64_t j = 0; j < n; j += 8) {  // s has room for 8 more: lanes past n are computed, never read
+          _mm256_storeu_ps(se + j, exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(se + j), _mm256_set1_ps(top[e]))));
+        }
+#else
+        for (int64_t j = 0; j < n; ++j) se[j] = exp_neg(se[j] - top[e]);
 #endif
-      for (int64_t j = 0; j < n; ++j) {
-        const float* vr = vb + seen[j] * vs2;
-        for (int64_t d = d0; d < D; ++d) acc[d] += s[j] * vr[d];
       }
-      const float inv = static_cast<float>(1.0 / total);
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+      // values: for each head, keys in order; the blocks are walked by the visible keys' index, so the
+      // accumulators continue across blocks exactly as one pass would
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::vector<int64_t> at(groups, 0);
+      for (int64_t j0 = 0; j0 < K; j0 += KB) {
+        const int64_t j1 = std::min(K, j0 + KB);
+        for (int64_t e = 0; e < groups; ++e) {
+          const int64_t n = count[e];
+          if (n == 0 || !std::isfinite(top[e])) continue;
+          const float* se = s.data() + e * (K + 8);
+          const int32_t* sn = seen.data() + e * K;
+          float* ae = acc.data() + e * D;
+          int64_t from = at[e], to = from;
+          while (to < n && sn[to] < j1) ++to;
+          at[e] = to;
+          if (from == to) continue;
+          int64_t d0 = 0;
+#if defined(__AVX2__)
+          for (; d0 + 32 <= D; d0 += 32) {  // 32 outputs in four registers across the block's keys, in key order
+            __m256 a0 = _mm256_loadu_ps(ae + d0), a1 = _mm256_loadu_ps(ae + d0 + 8);
+            __m256 a2 = _mm256_loadu_ps(ae + d0 + 16), a3 = _mm256_loadu_ps(ae + d0 + 24);
+            for (int64_t j = from; j < to; ++j) {
+              const float* vr = vb + sn[j] * vs2 + d0;
+              const __m256 p = _mm256_set1_ps(se[j]);
+              a0 = _mm256_add_ps(a0, _mm256_mul_ps(p, _mm256_loadu_ps(vr)));
+              a1 = _mm256_add_ps(a1, _mm256_mul_ps(p, _mm256_loadu_ps(vr + 8)));
+              a2 = _mm256_add_ps(a2, _mm256_mul_ps(p, _mm256_loadu_ps(vr + 16)));
+              a3 = _mm256_add_ps(a3, _mm256_mul_ps(p, _mm256_loadu_ps(vr + 24)));
+            }
+            _mm256_storeu_ps(ae + d0, a0);
+            _mm256_storeu_ps(ae + d0 + 8, a1);
+            _mm256_storeu_ps(ae + d0 + 16, a2);
+            _mm256_storeu_ps(ae + d0 + 24, a3);
+          }
+#endif
+          for (int64_t j = from; j < to; ++j) {
+            const float* vr = vb + sn[j] * vs2;
+            for (int64_t d = d0; d < D; ++d) ae[d] += se[j] * vr[d];
+          }
+        }
+      }
+      for (int64_t e = 0; e < groups; ++e) {
+        const int64_t h = hk * groups + e;
+        float* o = po + ((b * Q + i) * H + h) * D;
+        const int64_t n = count[e];
+        if (n == 0 || !std::isfinite(top[e])) {  // a fully hidden row (padding): zeros
+          std::memset(o, 0, D * sizeof(float));
+          continue;
+        }
+        const float* se = s.data() + e * (K + 8);
+        double total = 0.0;
+        for (int64_t j = 0; j < n; ++j) total += se[j];
+        const float inv = static_cast<float>(1.0 / total);
+        const float* ae = acc.data() + e * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = ae[d] * inv;
+      }
     }
   });
   return out;

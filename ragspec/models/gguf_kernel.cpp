@@ -7,16 +7,23 @@
 // are bit-identical alone or as one row of a draft tree (tests/test_gguf_linear.py checks it).
 //
 // Formats (one per weight tensor): groups of 32 input features, w = d*q + m (s8: w = d*q), q in
-//   u4: 0..15, u5: 0..31, s8: -127..127.
+//   u4: 0..15, u5: 0..31, s8: -127..127;
+//   u4k (Q4_K as it ships): q 0..15, w = (D*sc)*q - Dmin*mn, sc and mn 6-bit per group, D and Dmin fp16 per 8 groups;
+//   u6 (Q6_K as it ships): q 0..63, w = (D*sc)*(q - 32), sc int8 per 16 inputs, D fp16 per 8 groups.
 // Layout: output rows in blocks of 8, so that SIMD lanes run over 8 outputs and a group's 32 products per output
 // accumulate in one int32 lane (no horizontal sums). Per block b and group g, chunk c (0..7) holds 4 inputs
 // (k = 32g + 4c .. +3) of each of the 8 outputs: byte 4j + t of a chunk = q[8b + j][32g + 4c + t].
 //   u4/u5: w [N/8, G, 128]: chunk c in the low nibbles of bytes 32c..32c+31 (c < 4), chunk c+4 in their high
 //          nibbles; u5's bit 4 in wh [N/8, G, 32]: bit (4j + t) of the 4 bytes of chunk c.
+//   u6:    w as u4 (the low 4 bits); the top 2 bits in wh [N/8, G, 64]: byte i of the 32 at 32h holds, at bits
+//          2k..2k+1, bits 4-5 of byte i of chunk 4h + k.
 //   s8:    w [N/8, G, 256], chunk c at bytes 32c..32c+31.
-//   d, mn: [N/8, G, 8] fp16 bits.
+//   d, mn: [N/8, G, 8] fp16 bits (u4, u5, s8);
+//          u4k: d [N/8, G/8, 2, 8] fp16 bits (D, Dmin), mn [N/8, G, 2, 8] uint8 (sc, mn);
+//          u6:  d [N/8, G/8, 8] fp16 bits (D), mn [N/8, G, 2, 8] int8 (sc of inputs 0-15, of 16-31).
 // Activations: xq int8 [M, K] (-127..127), sx float [M, G] (scale), xs float [M, G] (sx * sum of the group's xq).
-// y[m, n] = sum over g (in order) of (d*sx) * dot(q, xq) + m * xs; the dot is exact in int32.
+// y[m, n] = sum over g (in order) of (d*sx) * dot(q, xq) + m * xs; the dot is exact in int32. u6 adds its two
+// halves in int32 first: sc0*(dot0 - 32*sum0) + sc1*(dot1 - 32*sum1), sum = the half's xq summed (hs below).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -27,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -70,14 +78,12 @@ inline __m256i bits_to_bytes(uint32_t bits) {
 #endif
 }
 
-// y[r][8b .. 8b+8) for R rows of one block of 8 outputs.
+// y[r][8b .. 8b+8) for R rows of one block of 8 outputs. d, mn and hs as the format says (see the top).
 template <int FMT, int R>
-void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, int64_t K, const uint8_t* w,
-           const uint8_t* wh, const uint16_t* d, const uint16_t* mn, float* y, int64_t N) {
+void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const int32_t* hs, int64_t K,
+           const uint8_t* w, const uint8_t* wh, const uint16_t* d, const uint8_t* mn, float* y, int64_t N) {
   __m256 acc[R], macc[R];
   for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
-  const __m128i* dp = reinterpret_cast<const __m128i*>(d);
-  const __m128i* mp = reinterpret_cast<const __m128i*>(mn);
   for (int64_t g = 0; g < G; ++g) {
     __m256i u[8], sg[8];
     if constexpr (FMT == 2) {
@@ -96,33 +102,66 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, int64_
         const uint32_t* hb = reinterpret_cast<const uint32_t*>(wh + g * 32);
         for (int c = 0; c < 8; ++c) u[c] = _mm256_or_si256(u[c], bits_to_bytes(hb[c]));
       }
+      if constexpr (FMT == 3) {  // bits 2k..2k+1 of each byte to bits 4-5: shifts in 16-bit lanes, then a mask
+        const __m256i two = _mm256_set1_epi8(0x30);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh + g * 64 + 32 * h));
+          u[4 * h + 0] = _mm256_or_si256(u[4 * h + 0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), two));
+          u[4 * h + 1] = _mm256_or_si256(u[4 * h + 1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), two));
+          u[4 * h + 2] = _mm256_or_si256(u[4 * h + 2], _mm256_and_si256(hv, two));
+          u[4 * h + 3] = _mm256_or_si256(u[4 * h + 3], _mm256_and_si256(_mm256_srli_epi16(hv, 2), two));
+        }
+      }
     }
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(dp + g));
-    __m256 mv = _mm256_setzero_ps();
-    if constexpr (FMT != 2) mv = _mm256_cvtph_ps(_mm_loadu_si128(mp + g));
+    __m256 dv, mv = _mm256_setzero_ps();
+    __m256i sc0, sc1;
+    if constexpr (FMT <= 2) {
+      dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * 8)));
+      if constexpr (FMT != 2) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn) + g));
+    } else if constexpr (FMT == 4) {  // D*sc and Dmin*mn are exact in float32 (11 by 6 bits)
+      const uint16_t* ds = d + (g / 8) * 16;
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + g * 16))));
+      const __m256 mq = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + g * 16 + 8))));
+      dv = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds))), sc);
+      mv = _mm256_sub_ps(_mm256_setzero_ps(),
+                         _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds + 8))), mq));
+    } else {  // FMT 3
+      dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + (g / 8) * 8)));
+      sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + g * 16)));
+      sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + g * 16 + 8)));
+    }
     // R rows side by side; one or two rows get two integer accumulators each: independent dot-product chains
     // keep the units busy (one chain of 8 dependent vpdpbusd would wait on its latency). Integer sums are exact
-    // in any order, so the chains a tile uses never change a row's bits.
-    constexpr int A = R <= 2 ? 2 : 1;
+    // in any order, so the chains a tile uses never change a row's bits. u6 always keeps its two halves apart.
+    constexpr int A = (R <= 2 || FMT == 3) ? 2 : 1;
     __m256i isum[A][R];
     for (int a = 0; a < A; ++a)
       for (int r = 0; r < R; ++r) isum[a][r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
+      const int a = FMT == 3 ? c / 4 : c % A;
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, xq + r * K + g * GROUP + 4 * c, 4);
         __m256i xb = _mm256_set1_epi32(four);
         if constexpr (FMT == 2) xb = _mm256_sign_epi8(xb, sg[c]);
-        isum[c % A][r] = dot_acc(isum[c % A][r], u[c], xb);
+        isum[a][r] = dot_acc(isum[a][r], u[c], xb);
       }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256i total = A == 2 ? _mm256_add_epi32(isum[0][r], isum[A - 1][r]) : isum[0][r];
+      __m256i total;
+      if constexpr (FMT == 3) {
+        const int32_t* h = hs + (r * G + g) * 2;
+        total = _mm256_add_epi32(
+            _mm256_mullo_epi32(sc0, _mm256_sub_epi32(isum[0][r], _mm256_set1_epi32(32 * h[0]))),
+            _mm256_mullo_epi32(sc1, _mm256_sub_epi32(isum[A - 1][r], _mm256_set1_epi32(32 * h[1]))));
+      } else {
+        total = A == 2 ? _mm256_add_epi32(isum[0][r], isum[A - 1][r]) : isum[0][r];
+      }
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dv, _mm256_set1_ps(sx[r * G + g])), acc[r]);
-      if constexpr (FMT != 2) macc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * G + g]), macc[r]);
+      if constexpr (FMT != 2 && FMT != 3) macc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * G + g]), macc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N, _mm256_add_ps(acc[r], macc[r]));
@@ -130,13 +169,14 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, int64_
 #else
 // Plain C, for CPUs without AVX2/F16C/FMA: the same layout, one output at a time.
 template <int FMT, int R>
-void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, int64_t K, const uint8_t* w,
-           const uint8_t* wh, const uint16_t* d, const uint16_t* mn, float* y, int64_t N) {
+void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const int32_t* hs, int64_t K,
+           const uint8_t* w, const uint8_t* wh, const uint16_t* d, const uint8_t* mn, float* y, int64_t N) {
+  const uint16_t* mh = reinterpret_cast<const uint16_t*>(mn);
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < 8; ++j) {
       float total = 0.f, mtotal = 0.f;
       for (int64_t g = 0; g < G; ++g) {
-        int32_t isum = 0;
+        int32_t isum[2] = {0, 0};
         for (int c = 0; c < 8; ++c) {
           for (int t = 0; t < 4; ++t) {
             int q;
@@ -146,12 +186,27 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, int64_
               uint8_t b = w[g * 128 + 32 * (c % 4) + 4 * j + t];
               q = c < 4 ? (b & 15) : (b >> 4);
               if (FMT == 1) q |= ((wh[g * 32 + 4 * c + (4 * j + t) / 8] >> ((4 * j + t) % 8)) & 1) << 4;
+              if (FMT == 3) q |= ((wh[g * 64 + 32 * (c / 4) + 4 * j + t] >> (2 * (c % 4))) & 3) << 4;
             }
-            isum += q * xq[r * K + g * GROUP + 4 * c + t];
+            isum[c / 4] += q * xq[r * K + g * GROUP + 4 * c + t];
           }
         }
-        total = std::fma(static_cast<float>(isum), half_to_float(d[g * 8 + j]) * sx[r * G + g], total);
-        if (FMT != 2) mtotal = std::fma(half_to_float(mn[g * 8 + j]), xs[r * G + g], mtotal);
+        float dv, mv = 0.f;
+        int32_t whole = isum[0] + isum[1];
+        if (FMT <= 2) {
+          dv = half_to_float(d[g * 8 + j]);
+          if (FMT != 2) mv = half_to_float(mh[g * 8 + j]);
+        } else if (FMT == 4) {
+          dv = half_to_float(d[(g / 8) * 16 + j]) * static_cast<float>(mn[g * 16 + j]);
+          mv = -(half_to_float(d[(g / 8) * 16 + 8 + j]) * static_cast<float>(mn[g * 16 + 8 + j]));
+        } else {
+          const int8_t* sc = reinterpret_cast<const int8_t*>(mn) + g * 16;
+          const int32_t* h = hs + (r * G + g) * 2;
+          dv = half_to_float(d[(g / 8) * 8 + j]);
+          whole = sc[j] * (isum[0] - 32 * h[0]) + sc[8 + j] * (isum[1] - 32 * h[1]);
+        }
+        total = std::fma(static_cast<float>(whole), dv * sx[r * G + g], total);
+        if (FMT != 2 && FMT != 3) mtotal = std::fma(mv, xs[r * G + g], mtotal);
       }
       y[r * N + j] = total + mtotal;
     }
@@ -195,18 +250,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
 // the format has none).
 at::Tensor qmatmul(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor& xs, const at::Tensor& w,
                    const at::Tensor& wh, const at::Tensor& d, const at::Tensor& mn, int64_t fmt) {
-  TORCH_CHECK(xq.is_contiguous() && w.is_contiguous() && d.is_contiguous(), "qmatmul: contiguous inputs");
-  TORCH_CHECK(fmt >= 0 && fmt <= 2, "qmatmul: fmt must be 0 (u4), 1 (u5) or 2 (s8)");
+  TORCH_CHECK(xq.is_contiguous() && w.is_contiguous() && d.is_contiguous() && mn.is_contiguous() &&
+              wh.is_contiguous(), "qmatmul: contiguous inputs");
+  TORCH_CHECK(fmt >= 0 && fmt <= 4, "qmatmul: fmt must be 0 (u4), 1 (u5), 2 (s8), 3 (u6) or 4 (u4k)");
   const int64_t M = xq.size(0), K = xq.size(1), G = K / GROUP, N = w.size(0) * 8;
-  TORCH_CHECK(w.size(1) == G && d.size(0) == N / 8 && d.size(1) == G, "qmatmul: weights do not match K");
+  const bool super = fmt >= 3;  // scales per 8 groups (a GGUF super-block of 256 inputs)
+  TORCH_CHECK(w.size(1) == G && d.size(0) == N / 8 && d.size(1) == (super ? G / 8 : G) && (!super || G % 8 == 0),
+              "qmatmul: weights do not match K");
+  // bytes of each block of 8 outputs: weights, high bits, scales (d: fp16 values), second scales (mn: bytes)
+  const int64_t wblock = G * (fmt == 2 ? 256 : 128), hblock = G * (fmt == 1 ? 32 : fmt == 3 ? 64 : 0);
+  const int64_t dblock = fmt == 4 ? G / 8 * 16 : fmt == 3 ? G : G * 8, mblock = fmt == 2 ? 0 : G * 16;
+  TORCH_CHECK(wh.numel() == N / 8 * hblock && d.numel() * d.element_size() == N / 8 * dblock * 2 &&
+              mn.numel() * mn.element_size() == N / 8 * mblock, "qmatmul: scales do not match the format");
   at::Tensor y = at::empty({M, N}, sx.options());
   const int8_t* px = xq.data_ptr<int8_t>();
   const float *psx = sx.data_ptr<float>(), *pxs = xs.data_ptr<float>();
   const uint8_t* pw = w.data_ptr<uint8_t>();
-  const uint8_t* pwh = fmt == 1 ? wh.data_ptr<uint8_t>() : nullptr;
-  const uint16_t* pd = reinterpret_cast<const uint16_t*>(d.data_ptr<int16_t>());
-  const uint16_t* pm = fmt != 2 ? reinterpret_cast<const uint16_t*>(mn.data_ptr<int16_t>()) : nullptr;
-  const int64_t wblock = G * (fmt == 2 ? 256 : 128), hblock = G * 32;
+  const uint8_t* pwh = hblock ? static_cast<const uint8_t*>(wh.data_ptr()) : nullptr;
+  const uint16_t* pd = static_cast<const uint16_t*>(d.data_ptr());
+  const uint8_t* pm = mblock ? static_cast<const uint8_t*>(mn.data_ptr()) : nullptr;
+  // u6: each row's xq summed over each half group (16 inputs), the -32 of its weights applied in integers
+  std::vector<int32_t> hs(fmt == 3 ? M * G * 2 : 0);
+  for (size_t i = 0; i < hs.size(); ++i) {
+    int32_t sum = 0;
+    for (int t = 0; t < 16; ++t) sum += px[i * 16 + t];
+    hs[i] = sum;
+  }
   float* py = y.data_ptr<float>();
   // blocks of outputs per thread; each streams its part of the weight once for all M rows
   at::parallel_for(0, N / 8, NB, [&](int64_t begin, int64_t end) {
@@ -216,22 +285,23 @@ at::Tensor qmatmul(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor&
         for (int64_t b = b0; b < std::min(end, b0 + NB); ++b) {
           const uint8_t* wb = pw + b * wblock;
           const uint8_t* hb = pwh ? pwh + b * hblock : nullptr;
-          const uint16_t* db = pd + b * G * 8;
-          const uint16_t* mb = pm ? pm + b * G * 8 : nullptr;
+          const uint16_t* db = pd + b * dblock;
+          const uint8_t* mb = pm ? pm + b * mblock : nullptr;
           const int8_t* x0 = px + m0 * K;
           const float* s0 = psx + m0 * G;
           const float* t0 = pxs + m0 * G;
+          const int32_t* h0 = hs.empty() ? nullptr : hs.data() + m0 * G * 2;
           float* y0 = py + m0 * N + 8 * b;
           switch (fmt * 16 + rows) {
 #define RAGSPEC_CASE(F, R) \
-  case F * 16 + R: block<F, R>(G, x0, s0, t0, K, wb, hb, db, mb, y0, N); break;
+  case F * 16 + R: block<F, R>(G, x0, s0, t0, h0, K, wb, hb, db, mb, y0, N); break;
 #if defined(__AVX512VL__)
 #define RAGSPEC_ROWS(F) RAGSPEC_CASE(F, 1) RAGSPEC_CASE(F, 2) RAGSPEC_CASE(F, 3) RAGSPEC_CASE(F, 4) \
   RAGSPEC_CASE(F, 5) RAGSPEC_CASE(F, 6) RAGSPEC_CASE(F, 7) RAGSPEC_CASE(F, 8)
 #else
 #define RAGSPEC_ROWS(F) RAGSPEC_CASE(F, 1) RAGSPEC_CASE(F, 2) RAGSPEC_CASE(F, 3) RAGSPEC_CASE(F, 4)
 #endif
-            RAGSPEC_ROWS(0) RAGSPEC_ROWS(1) RAGSPEC_ROWS(2)
+            RAGSPEC_ROWS(0) RAGSPEC_ROWS(1) RAGSPEC_ROWS(2) RAGSPEC_ROWS(3) RAGSPEC_ROWS(4)
 #undef RAGSPEC_ROWS
 #undef RAGSPEC_CASE
           }
@@ -256,16 +326,120 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wh
   return y.view(shape);
 }
 
+// exp for SiLU: Cephes' expf (x = n·ln2 + r, a degree-7 polynomial of r; ~1e-7 relative), the argument clamped
+// to float's range; one scalar and one 8-lane version of the same operations, so a value's bits never depend on
+// where in a row it falls.
+constexpr float EXP_HI = 88.3762626647949f, EXP_LO = -87.3365447504f, LOG2E = 1.44269504088896341f;
+constexpr float LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
+constexpr float EXP_C[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                            1.6666665459e-1f, 5.0000001201e-1f};
+
+inline float exp1(float x) {
+  x = std::fmin(std::fmax(x, EXP_LO), EXP_HI);
+  const float n = std::nearbyint(x * LOG2E);
+  const float r = (x - n * LN2_HI) - n * LN2_LO;
+  float p = EXP_C[0];
+  for (int c = 1; c < 6; ++c) p = p * r + EXP_C[c];
+  p = (p * (r * r) + r) + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
+  __m256 p = _mm256_set1_ps(EXP_C[0]);
+  for (int c = 1; c < 6; ++c) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_C[c]));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// The MLP of Llama/Qwen2 in one call: down(silu(gate(x)) * up(x)), x quantized once for gate and up. Each
+// element of the product depends on its own row only, so the rows stay independent.
+at::Tensor mlp(const at::Tensor& x, const at::Tensor& gw, const at::Tensor& gwh, const at::Tensor& gd,
+               const at::Tensor& gmn, int64_t gfmt, const at::Tensor& uw, const at::Tensor& uwh, const at::Tensor& ud,
+               const at::Tensor& umn, int64_t ufmt, const at::Tensor& dw, const at::Tensor& dwh, const at::Tensor& dd,
+               const at::Tensor& dmn, int64_t dfmt, int64_t inter, int64_t out) {
+  const int64_t K = x.size(-1);
+  auto [xq, sx, xs] = quantize_rows(x.reshape({-1, K}));
+  at::Tensor g = qmatmul(xq, sx, xs, gw, gwh, gd, gmn, gfmt);
+  at::Tensor u = qmatmul(xq, sx, xs, uw, uwh, ud, umn, ufmt);
+  const int64_t M = g.size(0), NG = g.size(1), NU = u.size(1);
+  at::Tensor h = at::empty({M, inter}, g.options());
+  const float *pg = g.data_ptr<float>(), *pu = u.data_ptr<float>();
+  float* ph = h.data_ptr<float>();
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int64_t c = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      for (; c + 8 <= inter; c += 8) {
+        const __m256 a = _mm256_loadu_ps(pg + r * NG + c);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
+        _mm256_storeu_ps(ph + r * inter + c, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                                                           _mm256_loadu_ps(pu + r * NU + c)));
+      }
+#endif
+      for (; c < inter; ++c) {
+        const float a = pg[r * NG + c];
+        ph[r * inter + c] = a / (1.0f + exp1(-a)) * pu[r * NU + c];
+      }
+    }
+  });
+  at::Tensor empty = at::empty({0}, x.options());
+  return linear(h, dw, dwh, dd, dmn, empty, dfmt, out).view([&] {
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = out;
+    return shape;
+  }());
+}
+
+// RMSNorm as Llama/Qwen2 define it, w * (x * rsqrt(mean(x²) + eps)), the mean in a fixed order (16 partial
+// sums, a fixed tree): a row's bits never depend on the others.
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm: float32 x and weight");
+  const int64_t D = x.size(-1), M = x.numel() / D;
+  TORCH_CHECK(weight.numel() == D, "rms_norm: weight does not match x");
+  at::Tensor y = at::empty_like(x);
+  const float *px = x.data_ptr<float>(), *pw = weight.contiguous().data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* v = px + r * D;
+      float lanes[16] = {};
+      for (int64_t d = 0; d < D; ++d) lanes[d % 16] += v[d] * v[d];
+      float h[8];
+      for (int l = 0; l < 8; ++l) h[l] = lanes[l] + lanes[l + 8];
+      const float sum = ((h[0] + h[4]) + (h[2] + h[6])) + ((h[1] + h[5]) + (h[3] + h[7]));
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + static_cast<float>(eps));
+      for (int64_t d = 0; d < D; ++d) py[r * D + d] = pw[d] * (v[d] * inv);
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ragspec_gguf, m) {
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("qmatmul(Tensor xq, Tensor sx, Tensor xs, Tensor w, Tensor wh, Tensor d, Tensor mn, int fmt) -> Tensor");
   m.def("linear(Tensor x, Tensor w, Tensor wh, Tensor d, Tensor mn, Tensor bias, int fmt, int out) -> Tensor");
+  m.def("mlp(Tensor x, Tensor gw, Tensor gwh, Tensor gd, Tensor gmn, int gfmt, Tensor uw, Tensor uwh, Tensor ud, "
+        "Tensor umn, int ufmt, Tensor dw, Tensor dwh, Tensor dd, Tensor dmn, int dfmt, int inter, int out) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ragspec_gguf, CPU, m) {
   m.impl("quantize_rows", &quantize_rows);
   m.impl("qmatmul", &qmatmul);
   m.impl("linear", &linear);
+  m.impl("mlp", &mlp);
+  m.impl("rms_norm", &rms_norm);
 }

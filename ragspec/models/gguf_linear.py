@@ -2,14 +2,19 @@
 
 Why: a one-token step on a CPU is bound by the bytes of weights it reads. De-quantized to float32 the 0.5B reads
 ~2 GB a token; its GGUF's own 4-8-bit blocks are ~0.5 GB, what llama.cpp reads. So the weights stay in the
-GGUF's blocks, re-laid for one kernel (`gguf_kernel.cpp`), in three formats of 32-weight groups:
+GGUF's blocks, re-laid for one kernel (`gguf_kernel.cpp`), in five formats of 32-weight groups:
 
 | GGUF type | kernel format | how |
 |---|---|---|
-| Q4_0, Q4_1, Q4_K | u4: q 0..15, w = d·q + m | exact; Q4_K's 6-bit sub-scales × its fp16 super-scale (and min) rounded to fp16 |
+| Q4_K | u4k: q 0..15, w = (D·sc)·q − Dmin·mn | exact: the 6-bit sub-scales and mins as bytes, D and Dmin fp16 per 256 inputs |
+| Q6_K | u6: q 0..63, w = (D·sc)·(q − 32) | exact: the int8 sub-scale per 16 inputs, D fp16 per 256 |
+| Q4_0, Q4_1 | u4: q 0..15, w = d·q + m | exact |
 | Q5_0, Q5_1 | u5: q 0..31, w = d·q + m | exact (Q5_0's m = -16·d is exact in fp16) |
 | Q8_0 | s8: q -127..127, w = d·q | exact |
-| Q6_K, F16, BF16, F32, others | s8 | re-quantized from the de-quantized weights: d = max|w|/127 per group |
+| F16, BF16, F32, others | s8 | re-quantized from the de-quantized weights: d = max|w|/127 per group |
+
+u4k and u6 read what the file holds (4.625 and 6.5625 bits a weight against the GGUF's 4.5 and 6.5625); a step of
+the 1.5B reads ~1.0 GB, what llama.cpp reads, where rounding them onto u4 (5 bits) and s8 (8.5 bits) read 1.16 GB.
 
 Activations are quantized per row and per group of 32 to int8 (llama.cpp's Q8 rule), so the group's product is
 an exact integer and a row never depends on another: a token's logits are bit-identical alone or inside a
@@ -38,7 +43,7 @@ from ragspec.models.cpu_linear import replace_module
 log = logging.getLogger(__name__)
 
 GROUP = 32
-FORMATS = {"u4": 0, "u5": 1, "s8": 2}
+FORMATS = {"u4": 0, "u5": 1, "s8": 2, "u6": 3, "u4k": 4}
 PROMPT_ROWS = 320  # forwards of more rows than this (prompt chunks only; trees stop at 256) use the bf16 copy
 
 
@@ -70,8 +75,10 @@ def _k4_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def decode_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int):
-    """A GGUF tensor's raw blocks → (format, q [rows, cols] uint8 (u4/u5) or int8 (s8), d [rows, cols/32] float32,
-    m [rows, cols/32] float32 or None). d and m are exact; they are rounded to fp16 when packed."""
+    """A GGUF tensor's raw blocks → (format, q [rows, cols] uint8 (s8: int8), d, m), exact:
+    u4/u5/s8: d, m [rows, cols/32] float32 (m None for s8; both fp16 values when they come from the file);
+    u4k: d [rows, cols/256, 2] float32 (D, Dmin), m [rows, cols/32, 2] uint8 (sc, mn);
+    u6:  d [rows, cols/256] float32 (D), m [rows, cols/32, 2] int8 (the scales of each half group)."""
     if cols % GROUP:
         raise RagspecError(f"a GGUF linear of {cols} input features is not a multiple of {GROUP}")
     g = cols // GROUP
@@ -99,9 +106,15 @@ def decode_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int):
         qs = blk[..., 16:144].reshape(rows, g // 8, 4, 32)
         q = np.stack([qs & 0x0F, qs >> 4], axis=3)  # [rows, sb, 4, 2, 32]: sub-block 2i low nibbles, 2i+1 high
         # ggml's Q4_K orders a sub-block's 32 values byte by byte; the u4 layout pairs element i with i+16
-        d = (dd[..., None] * sc).reshape(rows, g)
-        m = (-dmin[..., None] * mn).reshape(rows, g)
-        return "u4", q.reshape(rows, cols), d, m
+        return "u4k", q.reshape(rows, cols), np.stack([dd, dmin], -1), np.stack([sc, mn], -1).reshape(rows, g, 2)
+    if qtype == "Q6_K":
+        blk = b.reshape(rows, g // 8, 210)
+        ql = blk[..., 0:128].reshape(rows, g // 8, 2, 64)
+        qh = blk[..., 128:192].reshape(rows, g // 8, 2, 1, 32)
+        low = np.stack([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=3)
+        high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3  # [rows, sb, 2, 4, 32]: ggml's order
+        sc = blk[..., 192:208].view(np.int8).reshape(rows, g, 2)  # one scale per 16 inputs, in order
+        return "u6", (low | (high << 4)).reshape(rows, cols), _f16(blk[..., 208:210]), sc
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -130,17 +143,24 @@ def _blocks8(a: np.ndarray) -> np.ndarray:
 def pack(fmt: str, q: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """q values [N, K] → the kernel's bytes (w, wh), laid out as `gguf_kernel.cpp` says: per block of 8 outputs
     and group of 32 inputs, 8 chunks of 4 inputs of each output (byte 4j + t of chunk c = q[8b + j][32g + 4c + t]);
-    u4/u5 pair chunk c with chunk c + 4 in one byte's nibbles, u5's fifth bits follow as 4 bytes a chunk."""
+    the others pair chunk c with chunk c + 4 in one byte's nibbles; u5's fifth bits follow as 4 bytes a chunk,
+    u6's top two bits as two 32-byte vectors (chunk 4h + k at bits 2k..2k+1 of vector h)."""
     cols = q.shape[1]
     g = cols // GROUP
     qb = _blocks8(q).reshape(-1, 8, g, 8, 4).transpose(0, 2, 3, 1, 4)  # [b, g, c, j, t]
     qc = np.ascontiguousarray(qb).reshape(-1, g, 8, 32)
+    none = np.empty((0,), np.uint8)
     if fmt == "s8":
-        return torch.from_numpy(np.ascontiguousarray(qc.view(np.uint8).reshape(-1, g, 256))), torch.empty(0, dtype=torch.uint8)
+        return torch.from_numpy(np.ascontiguousarray(qc.view(np.uint8).reshape(-1, g, 256))), torch.from_numpy(none)
     qc = qc.astype(np.uint8)
     w = (qc[:, :, :4] & 0x0F) | ((qc[:, :, 4:] & 0x0F) << 4)
-    wh = (np.packbits((qc >> 4) & 1, axis=-1, bitorder="little").reshape(-1, g, 32) if fmt == "u5"
-          else np.empty((0,), np.uint8))
+    if fmt == "u5":
+        wh = np.packbits((qc >> 4) & 1, axis=-1, bitorder="little").reshape(-1, g, 32)
+    elif fmt == "u6":
+        top = ((qc >> 4) & 3).reshape(-1, g, 2, 4, 32) << (2 * np.arange(4, dtype=np.uint8))[:, None]
+        wh = np.bitwise_or.reduce(top, axis=3).reshape(-1, g, 64)
+    else:
+        wh = none
     return torch.from_numpy(np.ascontiguousarray(w.reshape(-1, g, 128))), torch.from_numpy(np.ascontiguousarray(wh))
 
 
@@ -156,18 +176,34 @@ def unpack(fmt: str, w: torch.Tensor, wh: torch.Tensor, rows: int) -> torch.Tens
             bits = wh.reshape(nb, g, 8, 4).to(torch.int16)
             high = torch.stack([(bits >> i) & 1 for i in range(8)], dim=-1).reshape(nb, g, 8, 32)
             qc = qc + 16 * high
+        elif fmt == "u6":
+            v = wh.reshape(nb, g, 2, 1, 32).to(torch.int16)
+            high = (v >> (2 * torch.arange(4, dtype=torch.int16))[:, None]) & 3
+            qc = qc + 16 * high.reshape(nb, g, 8, 32)
     q = qc.reshape(nb, g, 8, 8, 4).permute(0, 3, 1, 2, 4)  # [b, j, g, c, t]
     return q.reshape(nb * 8, g * GROUP)[:rows]
+
+
+def scale_tensors(fmt: str, d: np.ndarray, m: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_blocks`' scales → the kernel's (d, mn) buffers: the output axis in blocks of 8, innermost."""
+    if fmt in ("u4", "u5", "s8"):
+        return _half_bits(d), _half_bits(m if fmt != "s8" else None)
+    lanes = lambda a: np.ascontiguousarray(np.moveaxis(_blocks8(a), 1, -1))  # [N, ...] → [N/8, ..., 8]  # noqa: E731
+    return torch.from_numpy(lanes(_fp16(d).view(np.int16))), torch.from_numpy(lanes(np.asarray(m)))
+
+
+def _fp16(a: np.ndarray) -> np.ndarray:
+    h = np.asarray(a, np.float32).astype(np.float16)
+    if not np.isfinite(h).all():
+        raise RagspecError("a GGUF block scale does not fit fp16")
+    return h
 
 
 def _half_bits(a: np.ndarray | None) -> torch.Tensor:
     """Scales [N, G] → fp16 bits [N/8, G, 8] (the kernel's layout), or an empty tensor for None."""
     if a is None:
         return torch.empty(0, dtype=torch.int16)
-    h = np.asarray(a, np.float32).astype(np.float16)
-    if not np.isfinite(h).all():
-        raise RagspecError("a GGUF block scale does not fit fp16")
-    hb = _blocks8(h.view(np.int16)).transpose(0, 2, 1)
+    hb = _blocks8(_fp16(a).view(np.int16)).transpose(0, 2, 1)
     return torch.from_numpy(np.ascontiguousarray(hb))
 
 
@@ -204,8 +240,9 @@ class GGUFLinear(nn.Module):
         w, wh = pack(fmt, q)
         self.register_buffer("w", w)
         self.register_buffer("wh", wh)
-        self.register_buffer("d", _half_bits(d))
-        self.register_buffer("mn", _half_bits(m if fmt != "s8" else None))
+        sd, smn = scale_tensors(fmt, d, m)
+        self.register_buffer("d", sd)
+        self.register_buffer("mn", smn)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self._no_bias = torch.empty(0)
         self._args = None  # the buffers as a tuple: a step reads them ~170 times, Module.__getattr__ is slow
@@ -214,9 +251,19 @@ class GGUFLinear(nn.Module):
             self.prompt = torch.ops.mkldnn._reorder_linear_weight(self.dequantize().to(torch.bfloat16), 16)
 
     def dequantize(self) -> torch.Tensor:
-        """The weight the kernel computes with, as float32 [out, in] (d and m as stored: fp16)."""
+        """The weight the kernel computes with, as float32 [out, in] (d and m as stored)."""
         n, k = self.out_features, self.in_features
         q = unpack(self.fmt, self.w, self.wh, n).float().reshape(n, k // GROUP, GROUP)
+        if self.fmt in ("u4k", "u6"):
+            rows = lambda t: t.movedim(-1, 1).reshape(-1, *t.shape[1:-1])[:n]  # noqa: E731  [N/8, ..., 8] → [n, ...]
+            sup = rows(self.d.view(torch.float16).float()).repeat_interleave(8, dim=1)  # per group
+            sc = rows(self.mn).float()
+            if self.fmt == "u4k":
+                w = q * (sup[..., 0] * sc[..., 0])[..., None] - (sup[..., 1] * sc[..., 1])[..., None]
+            else:
+                halves = (q - 32).reshape(n, k // GROUP, 2, GROUP // 2)
+                w = halves * (sup[..., None] * sc)[..., None]
+            return w.reshape(n, k)
         w = q * _unblock(self.d, n)[..., None]
         if self.fmt != "s8":
             w = w + _unblock(self.mn, n)[..., None]
@@ -224,9 +271,7 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.prompt is None or x.numel() <= PROMPT_ROWS * self.in_features:  # one call: quantize, multiply, bias
-            args = self._args
-            if args is None or args[0] is not self._buffers["w"] or args[4] is not self._buffers["bias"]:
-                args = self._args = self._kernel_args()  # (re)read after a load_state_dict or .to()
+            args = self.kernel_args()
             y = self.ops.linear(x if x.dtype == torch.float32 else x.float(), *args[:4],
                                 self._no_bias if args[4] is None else args[4], self.code, self.out_features)
             return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -237,9 +282,13 @@ class GGUFLinear(nn.Module):
             y.add_(self.bias)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
-    def _kernel_args(self) -> tuple:
+    def kernel_args(self) -> tuple:
+        """(w, wh, d, mn, bias) as the kernel takes them."""
+        args = self._args
         b = self._buffers
-        return (b["w"], b["wh"], b["d"], b["mn"], b["bias"])
+        if args is None or args[0] is not b["w"] or args[4] is not b["bias"]:  # (re)read after a load or .to()
+            args = self._args = (b["w"], b["wh"], b["d"], b["mn"], b["bias"])
+        return args
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
