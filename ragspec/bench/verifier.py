@@ -4,7 +4,10 @@ rounds, and the GGUF kernel's throughput by row count.
 `python -m ragspec.bench.verifier --model qwen2.5-coder-0.5b-instruct --rounds 2` loads llama.cpp and
 transformers/gguf in turn (`models.machine.measure_candidate`: prefill of a 1,024-token prompt, t(n) over it) and
 prints one JSON line per candidate and round, with the CPU flags first: ratios are read within one run, since a
-shared machine's speed moves from hour to hour. `--kernel` instead runs every linear of the 0.5B's shapes (random
+shared machine's speed moves from hour to hour. `--interleave N` loads both at once over the same 1,024-token
+context and alternates single steps (t(1), then t(16)) N times, a pause between them so neither's idle threads
+spin on the other's cores: on a machine whose speed moves by the minute, the per-pair ratio is the steadiest
+figure. `--kernel` instead runs every linear of the 0.5B's shapes (random
 blocks, 24 layers as a step does; `--head` adds the 151,936-row head) through `ragspec_gguf::qmatmul` for each
 row count and prints ms and GOP/s.
 """
@@ -31,6 +34,51 @@ def candidates(model: str, rounds: int) -> None:
             m = measure_candidate(model, backend, dtype, repeats=5)
             print(json.dumps({"round": r, "candidate": f"{backend}/{dtype}",
                               **{k: m[k] for k in ("prefill_tps", "ms", "cpu_share")}}), flush=True)
+
+
+def interleaved(model: str, steps: int, sizes=(1, 16), context: int = 1024, pause_s: float = 0.005) -> None:
+    import numpy as np
+    import torch
+    from transformers import DynamicCache
+
+    from ragspec.decoding.backends.growing_cache import growing
+    from ragspec.decoding.backends.transformers import cache_arg
+    from ragspec.models.generator import load_generator, load_llama_generator
+
+    llama, _ = load_llama_generator(model)
+    hf, _ = load_generator(model, "cpu", "gguf")
+    rng = np.random.default_rng(0)
+    ctx = rng.integers(100, 30000, context).tolist()
+    try:
+        llama.clear()
+        llama.feed(ctx, 0)
+        with torch.inference_mode():
+            cache = growing(DynamicCache(config=hf.config))
+            hf(input_ids=torch.tensor([ctx]), **cache_arg(hf, cache), use_cache=True, logits_to_keep=1)
+            for n in sizes:
+                toks = rng.integers(100, 30000, n).tolist()
+                rows = [(t, context + k, [0], True) for k, t in enumerate(toks)]
+                ids, pos = torch.tensor([toks]), torch.arange(context, context + n)[None]
+                ms = {"llama.cpp": [], "transformers/gguf": []}
+                for _ in range(steps + 1):
+                    time.sleep(pause_s)
+                    t = time.perf_counter()
+                    llama.decode_small(rows)
+                    ms["llama.cpp"].append((time.perf_counter() - t) * 1000)
+                    llama.lc.llama_memory_seq_rm(llama.mem, 0, context, -1)
+                    time.sleep(pause_s)
+                    t = time.perf_counter()
+                    hf(input_ids=ids, position_ids=pos, **cache_arg(hf, cache), use_cache=True)
+                    ms["transformers/gguf"].append((time.perf_counter() - t) * 1000)
+                    for layer in cache.layers:  # back to the context only
+                        layer.keys, layer.values = layer.keys[:, :, :context], layer.values[:, :, :context]
+                a, b = np.array(ms["transformers/gguf"][1:]), np.array(ms["llama.cpp"][1:])
+                print(json.dumps({"n": n, "steps": steps, **{k: round(float(np.median(v[1:])), 2) for k, v in ms.items()},
+                                  "ratio_median": round(float(np.median(a / b)), 3),
+                                  "ratio_q25_q75": [round(float(q), 3) for q in np.quantile(a / b, [0.25, 0.75])]}),
+                      flush=True)
+    finally:
+        llama.close()
 
 
 def kernel(rows: list[int], head: bool, reps: int = 5) -> None:
@@ -75,12 +123,16 @@ def main(argv=None) -> None:
     p.add_argument("--kernel", action="store_true", help="the GGUF kernel alone, by row count")
     p.add_argument("--rows", default="1,4,8,16,32,64")
     p.add_argument("--head", action="store_true", help="with --kernel: the 0.5B's lm_head too")
+    p.add_argument("--interleave", type=int, default=0, metavar="N",
+                   help="both candidates loaded at once, N single steps of each in turn (t(1), t(16))")
     args = p.parse_args(argv)
     flags = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))))
     print(json.dumps({"utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                       "model": args.model, "flags": flags}), flush=True)
     if args.kernel:
         kernel([int(r) for r in args.rows.split(",")], args.head)
+    elif args.interleave:
+        interleaved(args.model, args.interleave)
     else:
         candidates(args.model, args.rounds)
 

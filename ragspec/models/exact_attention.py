@@ -16,9 +16,9 @@ is, in practice, the same bits whichever way the rows were batched. The cost is 
 (docs/decoding.md, *CPU dtypes*). Keys hidden from a whole block of queries (a prompt's causal future) are left out.
 
 A model whose config has `ragspec_native_attention` (dtype gguf, whose C++ kernels are built anyway) runs
-`attention_kernel.cpp` instead: float32 with every sum in a fixed order, one task per query row reading the
-float32 cache in place, so a row's result is the same bits however rows are batched by construction, and no
-step converts the whole cache to float64.
+`attention_kernel.cpp` instead: float32 with every sum in a fixed order, one task per query row and key/value head
+reading the float32 cache in place (its query heads together, block by block), so a row's result is the same bits
+however rows are batched by construction, and no step converts the whole cache to float64.
 """
 
 from __future__ import annotations
