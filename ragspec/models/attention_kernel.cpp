@@ -24,14 +24,12 @@
 #include <cstring>
 #include <vector>
 
+#include "kernel_math.h"
+
 namespace {
 
 constexpr int LANES = 16;  // partial sums of a dot product (lane l takes d = l mod 16), added in a fixed tree
-// Cephes' expf: exp(x) = 2^n · exp(r), x = n·ln2 + r, |r| <= ln2/2, a degree-7 polynomial (relative error ~1e-7)
-constexpr float LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
-constexpr float EXP_C[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
-                            1.6666665459e-1f, 5.0000001201e-1f};
-constexpr float EXP_MIN = -87.0f;  // below: 0 (2^n would leave float's range)
+constexpr float EXP_MIN = -87.0f;  // exp below it: 0 (2^n would leave float's range; kernel_math.h)
 
 inline float tree16(const float* a) {
   float h[8];
@@ -45,18 +43,7 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return tree16(acc);
 }
 
-inline float exp_neg(float x) {
-  if (!(x >= EXP_MIN)) return 0.0f;
-  const float n = std::nearbyint(x * LOG2E);
-  const float r = (x - n * LN2_HI) - n * LN2_LO;
-  float p = EXP_C[0];
-  for (int c = 1; c < 6; ++c) p = p * r + EXP_C[c];
-  p = (p * (r * r) + r) + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
+inline float exp_neg(float x) { return x >= EXP_MIN ? ragspec_math::exp_in_range(x) : 0.0f; }
 
 #if defined(__AVX2__)
 // The same arithmetic eight lanes at a time (D a multiple of 16): bit-identical to the scalar functions above.
@@ -75,15 +62,8 @@ inline float dot16(const float* a, const float* b, int64_t D) {
 
 inline __m256 exp_neg8(__m256 x) {
   const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_MIN), _CMP_GE_OQ);
-  const __m256 xs = _mm256_and_ps(x, live);  // dead lanes (and NaN padding) computed on 0, then zeroed
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xs, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(xs, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI))),
-                                 _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
-  __m256 p = _mm256_set1_ps(EXP_C[0]);
-  for (int c = 1; c < 6; ++c) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_C[c]));
-  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
+  // dead lanes (and NaN padding) computed on 0, then zeroed
+  return _mm256_and_ps(ragspec_math::exp_in_range8(_mm256_and_ps(x, live)), live);
 }
 #endif
 

@@ -36,6 +36,8 @@
 #include <cstring>
 #include <vector>
 
+#include "kernel_math.h"
+
 namespace {
 
 constexpr int GROUP = 32;
@@ -271,11 +273,13 @@ at::Tensor qmatmul(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor&
   const uint8_t* pm = mblock ? static_cast<const uint8_t*>(mn.data_ptr()) : nullptr;
   // u6: each row's xq summed over each half group (16 inputs), the -32 of its weights applied in integers
   std::vector<int32_t> hs(fmt == 3 ? M * G * 2 : 0);
-  for (size_t i = 0; i < hs.size(); ++i) {
-    int32_t sum = 0;
-    for (int t = 0; t < 16; ++t) sum += px[i * 16 + t];
-    hs[i] = sum;
-  }
+  at::parallel_for(0, static_cast<int64_t>(hs.size()), 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      int32_t sum = 0;
+      for (int t = 0; t < 16; ++t) sum += px[i * 16 + t];
+      hs[i] = sum;
+    }
+  });
   float* py = y.data_ptr<float>();
   // blocks of outputs per thread; each streams its part of the weight once for all M rows
   at::parallel_for(0, N / 8, NB, [&](int64_t begin, int64_t end) {
@@ -326,38 +330,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wh
   return y.view(shape);
 }
 
-// exp for SiLU: Cephes' expf (x = n·ln2 + r, a degree-7 polynomial of r; ~1e-7 relative), the argument clamped
-// to float's range; one scalar and one 8-lane version of the same operations, so a value's bits never depend on
-// where in a row it falls.
-constexpr float EXP_HI = 88.3762626647949f, EXP_LO = -87.3365447504f, LOG2E = 1.44269504088896341f;
-constexpr float LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
-constexpr float EXP_C[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
-                            1.6666665459e-1f, 5.0000001201e-1f};
+// exp for SiLU (kernel_math.h), the argument clamped to float's range
+constexpr float EXP_HI = 88.3762626647949f, EXP_LO = -87.3365447504f;
 
-inline float exp1(float x) {
-  x = std::fmin(std::fmax(x, EXP_LO), EXP_HI);
-  const float n = std::nearbyint(x * LOG2E);
-  const float r = (x - n * LN2_HI) - n * LN2_LO;
-  float p = EXP_C[0];
-  for (int c = 1; c < 6; ++c) p = p * r + EXP_C[c];
-  p = (p * (r * r) + r) + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
+inline float exp1(float x) { return ragspec_math::exp_in_range(std::fmin(std::fmax(x, EXP_LO), EXP_HI)); }
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI))),
-                                 _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
-  __m256 p = _mm256_set1_ps(EXP_C[0]);
-  for (int c = 1; c < 6; ++c) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_C[c]));
-  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return ragspec_math::exp_in_range8(_mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI)));
 }
 #endif
 
@@ -392,12 +372,9 @@ at::Tensor mlp(const at::Tensor& x, const at::Tensor& gw, const at::Tensor& gwh,
       }
     }
   });
-  at::Tensor empty = at::empty({0}, x.options());
-  return linear(h, dw, dwh, dd, dmn, empty, dfmt, out).view([&] {
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = out;
-    return shape;
-  }());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out;
+  return linear(h, dw, dwh, dd, dmn, at::empty({0}, x.options()), dfmt, out).view(shape);
 }
 
 // RMSNorm as Llama/Qwen2 define it, w * (x * rsqrt(mean(x²) + eps)), the mean in a fixed order (16 partial

@@ -19,6 +19,7 @@ from ragspec.errors import RagspecError
 from ragspec.paths import ragspec_home
 
 SOURCES = [Path(__file__).with_name("gguf_kernel.cpp"), Path(__file__).with_name("attention_kernel.cpp")]
+HEADERS = [Path(__file__).with_name("kernel_math.h")]  # included by the sources: in the digest, not compiled alone
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fopenmp"]
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 def source_digest() -> str:
     """Names the kernels' sources and flags: measurements of an older build (t(n), the machine table) no longer
     hold once it changes."""
-    return hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:10]
+    text = b"".join(s.read_bytes() for s in SOURCES + HEADERS)
+    return hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:10]
 
 
 def build_key() -> str:

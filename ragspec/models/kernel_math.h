@@ -1,0 +1,46 @@
+// Shared arithmetic of ragspec's C++ CPU kernels (gguf_kernel.cpp's SiLU, attention_kernel.cpp's softmax).
+//
+// exp: Cephes' expf, x = n·ln2 + r with |r| <= ln2/2, a degree-7 polynomial of r (relative error ~1e-7); one
+// scalar and one 8-lane version of the same operations, so a value's bits never depend on where in a row it
+// falls. The callers bound x first (SiLU clamps it to float's range, softmax zeroes what lies below EXP_MIN).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace ragspec_math {
+
+constexpr float LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
+constexpr float EXP_C[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                            1.6666665459e-1f, 5.0000001201e-1f};
+
+// exp(x) for x whose 2^n stays in float's range (about -87 .. 88)
+inline float exp_in_range(float x) {
+  const float n = std::nearbyint(x * LOG2E);
+  const float r = (x - n * LN2_HI) - n * LN2_LO;
+  float p = EXP_C[0];
+  for (int c = 1; c < 6; ++c) p = p * r + EXP_C[c];
+  p = (p * (r * r) + r) + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+#if defined(__AVX2__)
+inline __m256 exp_in_range8(__m256 x) {
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
+  __m256 p = _mm256_set1_ps(EXP_C[0]);
+  for (int c = 1; c < 6; ++c) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_C[c]));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+}  // namespace ragspec_math
