@@ -95,12 +95,12 @@ def test_kernel_equals_dequantized_reference(fmt):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_rows_are_independent(fmt):
     """Every row is the same bits alone, in a 16-row tree, at any place in any batch (across the kernel's tiles
-    of 4 rows)."""
+    of rows, and its one-block and two-block (512-bit) passes: 136 outputs are 17 blocks, the last one alone)."""
     lin = random_linear(fmt, 136, 512, seed=2)
     x = torch.randn(37, 512)
     with torch.inference_mode():
         full = lin(x)
-        for m in (1, 2, 3, 5, 7, 16, 17, 33):
+        for m in (1, 2, 3, 5, 7, 8, 16, 17, 33):
             assert torch.equal(lin(x[:m]), full[:m])
         for i in (0, 5, 16, 36):
             assert torch.equal(lin(x[i : i + 1]), full[i : i + 1])

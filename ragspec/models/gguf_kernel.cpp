@@ -2,9 +2,11 @@
 // scale (and min), activations quantised to int8 per row and group of 32 (llama.cpp's Q8 rule), integer dot
 // products per group, float sums in a fixed order. Built once per CPU by ragspec/models/gguf_kernel.py.
 //
-// Why it is batch-invariant: every output y[m, n] is computed by the same instruction sequence whatever the
-// number of rows M or the tile a row falls in; row m reads only row m of the activations. So a token's logits
-// are bit-identical alone or as one row of a draft tree (tests/test_gguf_linear.py checks it).
+// Why it is batch-invariant: every output y[m, n] is computed by the same operations in the same order whatever
+// the number of rows M or the tile a row falls in (a tile of full rows on AVX-512 runs two blocks of outputs per
+// 512-bit register, lane by lane the same operations); row m reads only row m of the activations. So a token's
+// logits are bit-identical alone or as one row of a draft tree (tests/test_gguf_linear.py checks it), and the
+// AVX-512, AVX2 and plain-C builds give the same bits.
 //
 // Formats (one per weight tensor): groups of 32 input features, w = d*q + m (s8: w = d*q), q in
 //   u4: 0..15, u5: 0..31, s8: -127..127;
@@ -168,6 +170,125 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N, _mm256_add_ps(acc[r], macc[r]));
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define RAGSPEC_BLOCK16 1
+// Two blocks at once, 16 outputs in a 512-bit register: per output lane the same integer sums and the same float
+// operations in the same order as block() above, so its bits are block()'s; half the instructions (a 2-core
+// Zen 4 runs a many-row tile at the rate it issues them, not at its multiply units' rate).
+inline __m512i dot_acc16(__m512i acc, __m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+
+// 32 bytes of block b (p) and of block b + 1 (p + stride) as one register
+inline __m512i pair256(const uint8_t* p, int64_t stride) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + stride)), 1);
+}
+
+// 8 fp16 of block b and 8 of block b + 1 (strides in uint16) as 16 floats
+inline __m512 pair_half(const uint16_t* p, int64_t stride) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + stride)), 1));
+}
+
+// 8 bytes of block b and 8 of block b + 1 as 16 int32 (unsigned or signed bytes)
+template <bool SIGNED>
+inline __m512i pair_bytes(const uint8_t* p, int64_t stride) {
+  const __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
+                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + stride)));
+  return SIGNED ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+}
+
+// y[r][8b .. 8b+16) for R rows of blocks b and b + 1; ws, hs_, ds, ms: the bytes (ds: uint16) from one block's
+// weights, high bits, scales and second scales to the next block's.
+template <int FMT, int R>
+void block16(int64_t G, const int8_t* xq, const float* sx, const float* xs, const int32_t* hs, int64_t K,
+             const uint8_t* w, const uint8_t* wh, const uint16_t* d, const uint8_t* mn, float* y, int64_t N,
+             int64_t ws, int64_t hst, int64_t ds, int64_t ms) {
+  __m512 acc[R], macc[R];
+  for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 dv, mv = _mm512_setzero_ps();
+    __m512i sc0, sc1;
+    if constexpr (FMT <= 2) {
+      dv = pair_half(d + g * 8, ds);
+      if constexpr (FMT != 2) mv = pair_half(reinterpret_cast<const uint16_t*>(mn) + g * 8, ms / 2);
+    } else if constexpr (FMT == 4) {
+      const uint16_t* dd = d + (g / 8) * 16;
+      dv = _mm512_mul_ps(pair_half(dd, ds), _mm512_cvtepi32_ps(pair_bytes<false>(mn + g * 16, ms)));
+      mv = _mm512_sub_ps(_mm512_setzero_ps(),
+                         _mm512_mul_ps(pair_half(dd + 8, ds), _mm512_cvtepi32_ps(pair_bytes<false>(mn + g * 16 + 8, ms))));
+    } else {
+      dv = pair_half(d + (g / 8) * 8, ds);
+      sc0 = pair_bytes<true>(mn + g * 16, ms);
+      sc1 = pair_bytes<true>(mn + g * 16 + 8, ms);
+    }
+    constexpr int A = (R <= 2 || FMT == 3) ? 2 : 1;
+    __m512i isum[A][R];
+    for (int a = 0; a < A; ++a)
+      for (int r = 0; r < R; ++r) isum[a][r] = _mm512_setzero_si512();
+    const int8_t* xg = xq + g * GROUP;
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      __m512i u;
+      __mmask64 neg = 0;
+      if constexpr (FMT == 2) {
+        const __m512i sg = pair256(w + g * 256 + 32 * c, ws);
+        u = _mm512_abs_epi8(sg);  // |w| as unsigned bytes; the sign moves onto x
+        neg = _mm512_movepi8_mask(sg);
+      } else {
+        const __m512i b = pair256(w + g * 128 + 32 * (c % 4), ws);
+        u = _mm512_and_si512(c < 4 ? b : _mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x0F));
+        if constexpr (FMT == 1) {
+          const uint64_t bits = *reinterpret_cast<const uint32_t*>(wh + g * 32 + 4 * c) |
+                                static_cast<uint64_t>(*reinterpret_cast<const uint32_t*>(wh + hst + g * 32 + 4 * c)) << 32;
+          u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10)));
+        }
+        if constexpr (FMT == 3) {
+          const __m512i hv = pair256(wh + g * 64 + 32 * (c / 4), hst);
+          const int k = c % 4;
+          const __m512i t = k == 0 ? _mm512_slli_epi16(hv, 4) : k == 1 ? _mm512_slli_epi16(hv, 2)
+                            : k == 2 ? hv : _mm512_srli_epi16(hv, 2);
+          u = _mm512_or_si512(u, _mm512_and_si512(t, _mm512_set1_epi8(0x30)));
+        }
+      }
+      const int a = FMT == 3 ? c / 4 : c % A;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xg + r * K + 4 * c, 4);
+        __m512i xb = _mm512_set1_epi32(four);
+        if constexpr (FMT == 2) xb = _mm512_mask_sub_epi8(xb, neg, _mm512_setzero_si512(), xb);  // x in -127..127
+        isum[a][r] = dot_acc16(isum[a][r], u, xb);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m512i total;
+      if constexpr (FMT == 3) {
+        const int32_t* h = hs + (r * G + g) * 2;
+        total = _mm512_add_epi32(
+            _mm512_mullo_epi32(sc0, _mm512_sub_epi32(isum[0][r], _mm512_set1_epi32(32 * h[0]))),
+            _mm512_mullo_epi32(sc1, _mm512_sub_epi32(isum[A - 1][r], _mm512_set1_epi32(32 * h[1]))));
+      } else {
+        total = A == 2 ? _mm512_add_epi32(isum[0][r], isum[A - 1][r]) : isum[0][r];
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(dv, _mm512_set1_ps(sx[r * G + g])), acc[r]);
+      if constexpr (FMT != 2 && FMT != 3) macc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * G + g]), macc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 v = _mm512_add_ps(acc[r], macc[r]);
+    _mm512_storeu_ps(y + r * N, v);
+  }
+}
+#endif
 #else
 // Plain C, for CPUs without AVX2/F16C/FMA: the same layout, one output at a time.
 template <int FMT, int R>
@@ -286,7 +407,8 @@ at::Tensor qmatmul(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor&
     for (int64_t b0 = begin; b0 < end; b0 += NB) {
       for (int64_t m0 = 0; m0 < M; m0 += MT) {
         const int rows = static_cast<int>(std::min<int64_t>(MT, M - m0));
-        for (int64_t b = b0; b < std::min(end, b0 + NB); ++b) {
+        const int64_t bend = std::min(end, b0 + NB);
+        for (int64_t b = b0; b < bend;) {
           const uint8_t* wb = pw + b * wblock;
           const uint8_t* hb = pwh ? pwh + b * hblock : nullptr;
           const uint16_t* db = pd + b * dblock;
@@ -296,10 +418,23 @@ at::Tensor qmatmul(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor&
           const float* t0 = pxs + m0 * G;
           const int32_t* h0 = hs.empty() ? nullptr : hs.data() + m0 * G * 2;
           float* y0 = py + m0 * N + 8 * b;
-          switch (fmt * 16 + rows) {
+#if defined(RAGSPEC_BLOCK16)
+          // two blocks in one 512-bit pass (the same bits as one at a time): faster for full tiles of rows, slower
+          // for a few rows (measured on a Zen 4)
+          const bool pair = rows >= 7 && b + 1 < bend;
+#else
+          constexpr bool pair = false;
+#endif
+          switch (fmt * 32 + pair * 16 + rows) {
 #define RAGSPEC_CASE(F, R) \
-  case F * 16 + R: block<F, R>(G, x0, s0, t0, h0, K, wb, hb, db, mb, y0, N); break;
-#if defined(__AVX512VL__)
+  case F * 32 + R: block<F, R>(G, x0, s0, t0, h0, K, wb, hb, db, mb, y0, N); break;
+#define RAGSPEC_PAIR(F, R) \
+  case F * 32 + 16 + R: \
+    block16<F, R>(G, x0, s0, t0, h0, K, wb, hb, db, mb, y0, N, wblock, hblock, dblock, mblock); break;
+#if defined(RAGSPEC_BLOCK16)
+#define RAGSPEC_ROWS(F) RAGSPEC_CASE(F, 1) RAGSPEC_CASE(F, 2) RAGSPEC_CASE(F, 3) RAGSPEC_CASE(F, 4) \
+  RAGSPEC_CASE(F, 5) RAGSPEC_CASE(F, 6) RAGSPEC_CASE(F, 7) RAGSPEC_CASE(F, 8) RAGSPEC_PAIR(F, 7) RAGSPEC_PAIR(F, 8)
+#elif defined(__AVX512VL__)
 #define RAGSPEC_ROWS(F) RAGSPEC_CASE(F, 1) RAGSPEC_CASE(F, 2) RAGSPEC_CASE(F, 3) RAGSPEC_CASE(F, 4) \
   RAGSPEC_CASE(F, 5) RAGSPEC_CASE(F, 6) RAGSPEC_CASE(F, 7) RAGSPEC_CASE(F, 8)
 #else
@@ -307,8 +442,10 @@ at::Tensor qmatmul(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor&
 #endif
             RAGSPEC_ROWS(0) RAGSPEC_ROWS(1) RAGSPEC_ROWS(2) RAGSPEC_ROWS(3) RAGSPEC_ROWS(4)
 #undef RAGSPEC_ROWS
+#undef RAGSPEC_PAIR
 #undef RAGSPEC_CASE
           }
+          b += pair ? 2 : 1;
         }
       }
     }
