@@ -225,7 +225,8 @@ def test_source_cache_filled_on_ray_actors(local_ray, tmp_path, monkeypatch):
     from ragspec.cluster.kv_fill import fill_on_ray
     from ragspec.pipeline import Pipeline
 
-    spec = {"generator": {"model": "smollm2-135m-instruct", "max_new_tokens": 8, "source_cache": "on"},
+    spec = {"generator": {"model": "smollm2-135m-instruct", "dtype": "float32", "max_new_tokens": 8,
+                          "source_cache": "on"},
             "prompt": {"relevance_floor": "off"}}
     texts = ["Tea is grown on hillsides in Assam and Darjeeling.", "Coffee cherries are picked by hand."]
     pipe = Pipeline(spec)

@@ -317,8 +317,8 @@ def test_pipeline_reuses_sources_across_asks(monkeypatch, tmp_path):
     monkeypatch.setenv("RAGSPEC_HOME", str(tmp_path))
     from ragspec.pipeline import Pipeline
 
-    pipe = Pipeline({"generator": {"model": "smollm2-135m-instruct", "max_new_tokens": 16, "source_cache": "on",
-                                   "source_cache_blend": 0, "source_cache_disk_mb": 16},
+    pipe = Pipeline({"generator": {"model": "smollm2-135m-instruct", "dtype": "float32", "max_new_tokens": 16,
+                                   "source_cache": "on", "source_cache_blend": 0, "source_cache_disk_mb": 16},
                      "prompt": {"relevance_floor": "off"}})
     docs = list(PARAGRAPHS.values())
     first = pipe.ask("Where does the Danube rise?", documents=docs)
@@ -342,7 +342,8 @@ def test_source_budget_pieces_are_cached_as_pieces(monkeypatch, tmp_path):
     from ragspec.pipeline import Pipeline
 
     long = " ".join(f"Sentence number {i} talks about topic {i % 7} in some detail." for i in range(60))
-    pipe = Pipeline({"generator": {"model": "smollm2-135m-instruct", "max_new_tokens": 8, "source_cache": "on"},
+    pipe = Pipeline({"generator": {"model": "smollm2-135m-instruct", "dtype": "float32", "max_new_tokens": 8,
+                                   "source_cache": "on"},
                      "prompt": {"relevance_floor": "off", "source_tokens": 120}})
     p = pipe.prepare("What does sentence number 30 talk about?", documents=[long])
     assert len(p.built.sources[0].pieces) > 1
@@ -362,7 +363,7 @@ def test_index_kv_cache_fills_ahead_of_asks(monkeypatch, tmp_path, corpus):
     from ragspec.pipeline import Pipeline
 
     spec = tmp_path / "smol.yaml"
-    spec.write_text("generator: {model: smollm2-135m-instruct, max_new_tokens: 8, source_cache: 'on', "
+    spec.write_text("generator: {model: smollm2-135m-instruct, dtype: float32, max_new_tokens: 8, source_cache: 'on', "
                     "source_cache_blend: 0}\n"
                     "prompt: {relevance_floor: 'off'}\n")
     out = tmp_path / "idx"

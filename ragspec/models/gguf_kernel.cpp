@@ -205,29 +205,29 @@ inline __m512i pair_bytes(const uint8_t* p, int64_t stride) {
   return SIGNED ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
 }
 
-// y[r][8b .. 8b+16) for R rows of blocks b and b + 1; ws, hs_, ds, ms: the bytes (ds: uint16) from one block's
-// weights, high bits, scales and second scales to the next block's.
+// y[r][8b .. 8b+16) for R rows of blocks b and b + 1; wstep, hstep, dstep, mstep: from one block's weights, high
+// bits, scales (in uint16) and second scales (in bytes) to the next block's.
 template <int FMT, int R>
 void block16(int64_t G, const int8_t* xq, const float* sx, const float* xs, const int32_t* hs, int64_t K,
              const uint8_t* w, const uint8_t* wh, const uint16_t* d, const uint8_t* mn, float* y, int64_t N,
-             int64_t ws, int64_t hst, int64_t ds, int64_t ms) {
+             int64_t wstep, int64_t hstep, int64_t dstep, int64_t mstep) {
   __m512 acc[R], macc[R];
   for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     __m512 dv, mv = _mm512_setzero_ps();
     __m512i sc0, sc1;
     if constexpr (FMT <= 2) {
-      dv = pair_half(d + g * 8, ds);
-      if constexpr (FMT != 2) mv = pair_half(reinterpret_cast<const uint16_t*>(mn) + g * 8, ms / 2);
+      dv = pair_half(d + g * 8, dstep);
+      if constexpr (FMT != 2) mv = pair_half(reinterpret_cast<const uint16_t*>(mn) + g * 8, mstep / 2);
     } else if constexpr (FMT == 4) {
       const uint16_t* dd = d + (g / 8) * 16;
-      dv = _mm512_mul_ps(pair_half(dd, ds), _mm512_cvtepi32_ps(pair_bytes<false>(mn + g * 16, ms)));
+      dv = _mm512_mul_ps(pair_half(dd, dstep), _mm512_cvtepi32_ps(pair_bytes<false>(mn + g * 16, mstep)));
       mv = _mm512_sub_ps(_mm512_setzero_ps(),
-                         _mm512_mul_ps(pair_half(dd + 8, ds), _mm512_cvtepi32_ps(pair_bytes<false>(mn + g * 16 + 8, ms))));
+                         _mm512_mul_ps(pair_half(dd + 8, dstep), _mm512_cvtepi32_ps(pair_bytes<false>(mn + g * 16 + 8, mstep))));
     } else {
-      dv = pair_half(d + (g / 8) * 8, ds);
-      sc0 = pair_bytes<true>(mn + g * 16, ms);
-      sc1 = pair_bytes<true>(mn + g * 16 + 8, ms);
+      dv = pair_half(d + (g / 8) * 8, dstep);
+      sc0 = pair_bytes<true>(mn + g * 16, mstep);
+      sc1 = pair_bytes<true>(mn + g * 16 + 8, mstep);
     }
     constexpr int A = (R <= 2 || FMT == 3) ? 2 : 1;
     __m512i isum[A][R];
@@ -239,19 +239,19 @@ void block16(int64_t G, const int8_t* xq, const float* sx, const float* xs, cons
       __m512i u;
       __mmask64 neg = 0;
       if constexpr (FMT == 2) {
-        const __m512i sg = pair256(w + g * 256 + 32 * c, ws);
+        const __m512i sg = pair256(w + g * 256 + 32 * c, wstep);
         u = _mm512_abs_epi8(sg);  // |w| as unsigned bytes; the sign moves onto x
         neg = _mm512_movepi8_mask(sg);
       } else {
-        const __m512i b = pair256(w + g * 128 + 32 * (c % 4), ws);
+        const __m512i b = pair256(w + g * 128 + 32 * (c % 4), wstep);
         u = _mm512_and_si512(c < 4 ? b : _mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x0F));
         if constexpr (FMT == 1) {
           const uint64_t bits = *reinterpret_cast<const uint32_t*>(wh + g * 32 + 4 * c) |
-                                static_cast<uint64_t>(*reinterpret_cast<const uint32_t*>(wh + hst + g * 32 + 4 * c)) << 32;
+                                static_cast<uint64_t>(*reinterpret_cast<const uint32_t*>(wh + hstep + g * 32 + 4 * c)) << 32;
           u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10)));
         }
         if constexpr (FMT == 3) {
-          const __m512i hv = pair256(wh + g * 64 + 32 * (c / 4), hst);
+          const __m512i hv = pair256(wh + g * 64 + 32 * (c / 4), hstep);
           const int k = c % 4;
           const __m512i t = k == 0 ? _mm512_slli_epi16(hv, 4) : k == 1 ? _mm512_slli_epi16(hv, 2)
                             : k == 2 ? hv : _mm512_srli_epi16(hv, 2);
