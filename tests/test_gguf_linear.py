@@ -252,6 +252,27 @@ def test_long_prompt_still_matches(smol_gguf):
     assert gen.tokens == ref
 
 
+def test_prompt_heads_are_reused_exactly(smol_gguf):
+    """Every ask past the first reads its prompt from the first source on (the head's KV kept from the asks
+    before), and answers exactly as with every prompt read whole."""
+    from ragspec.pipeline import Pipeline
+
+    model, tok = smol_gguf
+    spec = {"generator": {"model": SMOL, "max_new_tokens": 24}, "drafting": {"method": "suffix"},
+            "prompt": {"relevance_floor": "off", "source_tokens": "off"}}
+    reuse, whole = (Pipeline(spec, model=model, tokenizer=tok) for _ in range(2))
+    whole._heads = False  # as on a model whose prompt rows are not independent
+    asked = [(q, [PASSAGES[p]]) for q, p in QUESTIONS] + [(QUESTIONS[0][0], [PASSAGES[QUESTIONS[1][1]]])]
+    reused = []
+    for q, docs in asked:
+        a, b = reuse.ask(q, documents=docs), whole.ask(q, documents=docs)
+        assert a.text == b.text and b.stats.prefix_reused_tokens == 0
+        reused.append(a.stats.prefix_reused_tokens)
+    (entry,) = reuse._heads.entries.values()  # the head only: no source or answer tokens kept
+    assert tok.decode(entry.ids).endswith("Sources:\n") and len(entry.ids) > 20
+    assert reused == [0] + [len(entry.ids)] * (len(asked) - 1)
+
+
 def test_gguf_is_cpu_only_and_named_in_the_cost_key(smol_gguf):
     from ragspec.decoding.backends.transformers import TransformersBackend
     from ragspec.models.generator import load_generator

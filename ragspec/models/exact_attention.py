@@ -121,6 +121,14 @@ def fast_prompt_attention(module, query, *args, **kwargs):
     return exact_attention(module, query, *args, **kwargs)
 
 
+def rows_independent(model) -> bool:
+    """Whether every forward of `model` computes each row the same way however rows are batched (this attention
+    for all of them, with row-independent linears): then a prompt read behind a reused prefix is the same bits as
+    read whole, and the head's KV can be reused exactly."""
+    cfg = getattr(model, "config", None)  # a llama.cpp model has none (and its backend takes no prefix)
+    return getattr(cfg, "_attn_implementation", None) == NAME and getattr(cfg, "ragspec_prompt_rows", 0) is None
+
+
 def register() -> None:
     """Make `NAME` an attention implementation transformers knows (masks built as for eager: additive floats)."""
     from transformers import AttentionInterface

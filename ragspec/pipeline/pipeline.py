@@ -71,6 +71,7 @@ class Pipeline:
         self._gate = False  # the relevance gate (prompt.relevance_floor), resolved on first use; None: off
         self._scorer = None  # retrieve.windows.WindowScorer: the gate's and the budget's window cosines
         self.prefix_cache = None  # a decoding.prefix_cache.PrefixStore: follow-ups reuse the KV of shared prefixes
+        self._heads = None  # decoding.prefix_cache.HeadStore: the prompt head's KV, reused where that is exact
         self._source_store = None  # decoding.source_cache.SourceKVStore (generator.source_cache), made on first use
         self.choice = None  # models.machine.Choice: the backend and dtype `load` took, and why
         self._guess_checked = time.monotonic()  # when a guessed choice last looked for the measured table
@@ -172,6 +173,7 @@ class Pipeline:
             f"{self.choice.backend}/{self.choice.dtype} ({choice.reason}); loading it")
         self._model = self._tokenizer = None
         self._cost, self._rates, self._calibration, self._source_store = None, None, None, None
+        self._heads = None
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
@@ -287,6 +289,18 @@ class Pipeline:
         self.prefix_cache = PrefixStore(capacity) if capacity > 0 else None
         return self
 
+    def _head_store(self, model, built: BuiltPrompt):
+        """The store of prompt heads, where the model reads a prompt behind a reused prefix as the same bits as
+        whole (models.exact_attention.rows_independent: dtypes gguf, int8 and bf16 on a CPU); else None."""
+        if self._heads is None:
+            from ragspec.decoding.prefix_cache import HeadStore
+            from ragspec.models.exact_attention import rows_independent
+
+            self._heads = HeadStore() if rows_independent(model) else False
+        if self._heads:
+            self._heads.keep = built.head
+        return self._heads or None
+
     def stream(self, question: str, *, documents: Iterable[str | SourceText] | None = None,
                max_new_tokens: int | None = None, stop: Iterable[str] | None = None,
                temperature: float | None = None, history: list[dict] | None = None,
@@ -391,7 +405,7 @@ class Pipeline:
 
         g = self.spec.generator
         return SourcePlan(self.source_store, built.head, list(built.pieces), g.source_cache_recompute,
-                          g.source_cache_blend)
+                          g.source_cache_blend, g.source_cache_select)
 
     def fill_source_cache(self, texts: list[str] | None = None, on_progress=None, cancel=None) -> int:
         """Compute the source cache's entries ahead of asks: each text (default: every chunk of the index) as a
@@ -532,7 +546,7 @@ class Pipeline:
         t_start = time.perf_counter() if t_start is None else t_start
         ttft_ms, reused = 0.0, 0
         with self._gen_lock:
-            store = self.prefix_cache
+            store = self.prefix_cache or self._head_store(model, built)
             if store is not None:
                 store.last_reused = 0
             for delta in gen.stream(built.ids, built.segments, prefix=store, cancel=cancel, on_progress=on_progress,
