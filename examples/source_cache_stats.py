@@ -9,7 +9,8 @@ The relevance gate's embeddings of the question's sources are made once before t
 them), so no mode pays for them alone. It prints the median TTFT and prefill of each, how many answers equal
 full prefill's, the store's size per 1,000 tokens
 and the CPU flags. `--recompute 0,4,16` measures several recompute settings side by side (full once); `K:F`
-recomputes the first K tokens of each piece and the fraction F of the rest that deviates most (CacheBlend).
+recomputes the first K tokens of each piece and the fraction F of the rest that deviates most (CacheBlend);
+`K:F:attention` the fraction F the question attends to most (ProphetKV / A³).
 Usage: python examples/source_cache_stats.py INDEX [--pipeline FILE] [--recompute 4,4:0.15] [--max-new-tokens 48]
        [--source-tokens off] [--questions N] [--json OUT]
 """
@@ -44,9 +45,11 @@ def measure(index, pipeline=None, recompute=(4,), max_new=48, budget="off", n=No
         pipe.prepare(q, source_tokens=budget)  # the gate's window embeddings, remembered: every mode pays the same
         row = {"question": q, "full": ask(pipe, q, "off", max_new, budget), "settings": {}}
         for k in recompute:
-            first, _, blend = str(k).partition(":")
+            first, _, rest = str(k).partition(":")
+            blend, _, select = rest.partition(":")
             g = pipe.spec.generator.model_copy(update={"source_cache_recompute": int(first),
-                                                        "source_cache_blend": float(blend or 0)})
+                                                        "source_cache_blend": float(blend or 0),
+                                                        "source_cache_select": select or "deviation"})
             pipe.spec = pipe.spec.model_copy(update={"generator": g})
             pipe._source_store.clear()
             r = {"cold": ask(pipe, q, "on", max_new, budget), "warm": ask(pipe, q, "on", max_new, budget)}

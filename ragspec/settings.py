@@ -199,6 +199,10 @@ class GeneratorSettings(Strict):
         "tokens, those whose layer-1 KV deviates most from full prefill (CacheBlend; costs one layer over the prompt). "
         "0.5: the one fraction that kept NQ-open answers within one standard error on tuning records "
         "(docs/decoding.md); 0 is fastest and loses the most")
+    source_cache_select: Literal["deviation", "attention"] = Field(
+        "deviation", description="source cache: which piece tokens the blend fraction recomputes. deviation: those "
+        "whose layer-1 KV deviates most from full prefill (CacheBlend); attention: those the question attends to "
+        "most over the assembled cache, every layer (ProphetKV / A3; costs a forward of the prompt's tail)")
     source_cache_memory_mb: int = Field(512, ge=0, description="source cache: memory bound (least recently used go)")
     source_cache_disk_mb: int = Field(
         2048, ge=0, description="source cache: disk bound under $RAGSPEC_HOME/kv (0: memory only)")

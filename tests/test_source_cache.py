@@ -416,16 +416,19 @@ def test_blend_layer_one_kv_is_full_prefills(smol):
     assert torch.allclose(kv[1], cache.layers[1].values[0], atol=1e-4)
 
 
-def test_blend_recomputes_the_chosen_fraction(smol):
+@pytest.mark.parametrize("select", ["deviation", "attention"])
+def test_blend_recomputes_the_chosen_fraction(smol, select):
+    """Either selection (CacheBlend's layer-1 deviation, or the question's attention over the assembled cache)
+    recomputes exactly its fraction of the piece tokens, and brings the answer's logits closer to full prefill."""
     model, tok = smol
     b = built_prompt(tok)
     store = SourceKVStore()
     _, ref = full_cache(model, b.ids)
-    whole = SourcePlan(store, b.head, b.pieces, recompute=0, blend=1.0)  # every piece token: full prefill again
+    whole = SourcePlan(store, b.head, b.pieces, recompute=0, blend=1.0, select=select)  # full prefill again
     _, logits = source_kv.assemble(model, b.ids, whole)
     assert whole.reused == 0 and whole.computed == len(b.ids) - b.head
     assert torch.allclose(logits, ref, atol=1e-3)
-    part = SourcePlan(store, b.head, b.pieces, recompute=0, blend=0.2)
+    part = SourcePlan(store, b.head, b.pieces, recompute=0, blend=0.2, select=select)
     _, mid = source_kv.assemble(model, b.ids, part)
     pieces = sum(e - a for a, e in b.pieces)
     assert part.blended == round(0.2 * pieces) and part.reused == b.head + pieces - part.blended

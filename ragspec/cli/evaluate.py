@@ -196,6 +196,8 @@ def eval_answers(
                                                   "full"),
     cache_blend: float | None = typer.Option(None, "--cache-blend", help="override generator.source_cache_blend: "
                                                 "fraction of cached piece tokens recomputed, the most deviating"),
+    cache_select: str | None = typer.Option(None, "--cache-select", help="override generator.source_cache_select "
+                                               "(deviation | attention): which piece tokens --cache-blend recomputes"),
     skip: int = typer.Option(0, "--skip", help="leave out the first N records (clapnq folder: N of each file), "
                                                "to keep tuning and report records apart"),
     numbers: str | None = typer.Option(None, "--records", help="only these records, numbered from 1 in the order "
@@ -230,6 +232,8 @@ def eval_answers(
             raise RagspecError("--cache-recompute must be 0 or more")
         if cache_blend is not None and not 0 <= cache_blend <= 1:
             raise RagspecError(f"--cache-blend must be a fraction from 0 to 1, not {cache_blend}")
+        if cache_select is not None and cache_select not in ("deviation", "attention"):
+            raise RagspecError(f"--cache-select must be deviation or attention, not '{cache_select}'")
         from ragspec.settings import parse_source_tokens
 
         try:
@@ -271,6 +275,8 @@ def eval_answers(
             d["generator"]["source_cache_recompute"] = cache_recompute
         if cache_blend is not None:
             d["generator"]["source_cache_blend"] = cache_blend
+        if cache_select is not None:
+            d["generator"]["source_cache_select"] = cache_select
         pipe = Pipeline(load_spec(d), str(retrieve) if retrieve else None)
         with console.status("loading the model…"):
             if retrieve is not None:
@@ -284,6 +290,7 @@ def eval_answers(
                 "source_cache": pipe.source_cache_on(),
                 "source_cache_recompute": pipe.spec.generator.source_cache_recompute,
                 "source_cache_blend": pipe.spec.generator.source_cache_blend,
+                "source_cache_select": pipe.spec.generator.source_cache_select,
                 "drafting": pipe.spec.drafting.method, "max_new_tokens": pipe.spec.generator.max_new_tokens,
                 "sources": "retrieved from " + str(retrieve) if retrieve else "the record's own passages"}
         rows = []

@@ -46,7 +46,8 @@ class SourcePlan:
     head: int  # prompt tokens [0, head): the fixed head, cached whole
     pieces: list[tuple[int, int]]  # [start, end) of each piece of source text after the head
     recompute: int = 4  # first tokens of each piece computed in full over the assembled context
-    blend: float = 0.0  # and this fraction of the other piece tokens, those whose KV deviates most (CacheBlend)
+    blend: float = 0.0  # and this fraction of the other piece tokens, chosen by `select`:
+    select: str = "deviation"  # whose layer-1 KV deviates most (CacheBlend), or "attention": the question's most read
     # filled by the backend, prompt tokens by where their KV came from: an entry already in the store (reused),
     # an entry this ask computed into the store first (stored: a cold ask), computed in full in place (computed)
     reused: int = 0

@@ -212,6 +212,50 @@ def blend_select(model, prompt_ids: list[int], cached_kv: torch.Tensor, cached_p
     return sorted(idx[torch.topk(dev, k).indices].tolist())
 
 
+def attention_select(model, prompt_ids: list[int], cached_kv: torch.Tensor, cached_pos: list[int],
+                     query_pos: list[int], candidates: list[int], fraction: float) -> list[int]:
+    """ProphetKV / A³'s selection: of the `candidates` (indices into the cached positions), the `fraction` the
+    question reads most. The prompt's tail after the last piece (`query_pos`: the question and the template's
+    end) runs once over the assembled cache, every layer; a cached token's score is the attention its rows give
+    it, averaged over heads and summed over rows and layers. Costs a forward of the tail (a few dozen tokens)."""
+    if fraction <= 0 or not candidates or not query_pos:
+        return []
+    from ragspec.decoding.backends.attention import WEIGHTS_FLAG, _decoder_layers, eager_attention
+
+    dev = next(model.parameters()).device
+    n_cached = len(cached_pos)
+    score = torch.zeros(n_cached, dtype=torch.float64, device=dev)
+
+    def hook(module, args, output):
+        weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+        if weights is not None:  # [1, heads, rows, keys]: the cached keys come first
+            score.add_(weights[0, :, :, :n_cached].double().mean(dim=0).sum(dim=0))
+
+    attns = [layer.self_attn for layer in _decoder_layers(model)]
+    handles = [a.register_forward_hook(hook) for a in attns]
+    for a in attns:
+        setattr(a, WEIGHTS_FLAG, True)
+    try:
+        cache = _new_cache(model)
+        append(cache, cached_kv)
+        rows = torch.tensor(query_pos, device=dev)
+        keys = torch.tensor(cached_pos + query_pos, device=dev)
+        lo = torch.finfo(cache.layers[0].keys.dtype).min
+        mask = torch.full((len(rows), len(keys)), lo, dtype=cache.layers[0].keys.dtype, device=dev)
+        mask.masked_fill_(keys[None, :] <= rows[:, None], 0)
+        with eager_attention(model, keep_exact=True):
+            model(input_ids=torch.tensor([[prompt_ids[p] for p in query_pos]], device=dev), position_ids=rows[None],
+                  attention_mask=mask[None, None], **cache_arg(model, cache), use_cache=True, logits_to_keep=1)
+    finally:
+        for h in handles:
+            h.remove()
+        for a in attns:
+            setattr(a, WEIGHTS_FLAG, False)
+    idx = torch.tensor(candidates, device=dev)
+    k = min(len(candidates), max(1, round(fraction * len(candidates))))
+    return sorted(idx[torch.topk(score[idx], k).indices].tolist())
+
+
 @torch.inference_mode()
 def assemble(model, prompt_ids: list[int], plan: SourcePlan, cancel=None, on_progress=None):
     """(a DynamicCache of the whole prompt in position order, the last token's logits): the head and pieces
@@ -258,8 +302,12 @@ def assemble(model, prompt_ids: list[int], plan: SourcePlan, cancel=None, on_pro
     computed_pos += range(cursor, n)
     assembled = torch.cat(parts, dim=3)
     if plan.blend > 0:  # recompute the piece tokens whose KV deviates most (CacheBlend), not only first-k
-        chosen = blend_select(model, list(prompt_ids), assembled, cached_pos,
-                              list(range(len(head), len(cached_pos))), plan.blend)
+        candidates = list(range(len(head), len(cached_pos)))
+        if plan.select == "attention":  # or those the question reads most (ProphetKV / A³)
+            tail = [p for p in computed_pos if p >= cursor]
+            chosen = attention_select(model, list(prompt_ids), assembled, cached_pos, tail, candidates, plan.blend)
+        else:
+            chosen = blend_select(model, list(prompt_ids), assembled, cached_pos, candidates, plan.blend)
         if chosen:
             keep = torch.ones(len(cached_pos), dtype=torch.bool)
             keep[chosen] = False
