@@ -212,6 +212,13 @@ def blend_select(model, prompt_ids: list[int], cached_kv: torch.Tensor, cached_p
     return sorted(idx[torch.topk(dev, k).indices].tolist())
 
 
+def _position_mask(rows: torch.Tensor, keys: torch.Tensor, dtype) -> torch.Tensor:
+    """Additive mask [rows, keys] for tokens at positions `rows` over keys at positions `keys` (any order):
+    every key up to a row's own position visible."""
+    mask = torch.full((len(rows), len(keys)), torch.finfo(dtype).min, dtype=dtype, device=rows.device)
+    return mask.masked_fill_(keys[None, :] <= rows[:, None], 0)
+
+
 def attention_select(model, prompt_ids: list[int], cached_kv: torch.Tensor, cached_pos: list[int],
                      query_pos: list[int], candidates: list[int], fraction: float) -> list[int]:
     """ProphetKV / A³'s selection: of the `candidates` (indices into the cached positions), the `fraction` the
@@ -239,10 +246,7 @@ def attention_select(model, prompt_ids: list[int], cached_kv: torch.Tensor, cach
         cache = _new_cache(model)
         append(cache, cached_kv)
         rows = torch.tensor(query_pos, device=dev)
-        keys = torch.tensor(cached_pos + query_pos, device=dev)
-        lo = torch.finfo(cache.layers[0].keys.dtype).min
-        mask = torch.full((len(rows), len(keys)), lo, dtype=cache.layers[0].keys.dtype, device=dev)
-        mask.masked_fill_(keys[None, :] <= rows[:, None], 0)
+        mask = _position_mask(rows, torch.tensor(cached_pos + query_pos, device=dev), cache.layers[0].keys.dtype)
         with eager_attention(model, keep_exact=True):
             model(input_ids=torch.tensor([[prompt_ids[p] for p in query_pos]], device=dev), position_ids=rows[None],
                   attention_mask=mask[None, None], **cache_arg(model, cache), use_cache=True, logits_to_keep=1)
@@ -323,14 +327,11 @@ def assemble(model, prompt_ids: list[int], plan: SourcePlan, cancel=None, on_pro
     append(cache, assembled)
     if on_progress is not None:
         on_progress(len(cached_pos), n)
-    lo = torch.finfo(cache.layers[0].keys.dtype).min
     logits = None
     for a, b in chunks(0, len(computed_pos)):
         check_cancel(cancel)
         rows = torch.tensor(computed_pos[a:b], device=dev)
-        keys = torch.tensor(cached_pos + computed_pos[a:b], device=dev)
-        mask = torch.full((b - a, len(keys)), lo, dtype=cache.layers[0].keys.dtype, device=dev)
-        mask.masked_fill_(keys[None, :] <= rows[:, None], 0)  # every key up to its own position
+        mask = _position_mask(rows, torch.tensor(cached_pos + computed_pos[a:b], device=dev), cache.layers[0].keys.dtype)
         out = model(input_ids=torch.tensor([[prompt_ids[p] for p in computed_pos[a:b]]], device=dev),
                     position_ids=rows[None], attention_mask=mask[None, None], **cache_arg(model, cache),
                     use_cache=True, logits_to_keep=1)
