@@ -223,6 +223,24 @@ def test_fused_mlp_and_norm(smol_gguf):
         assert torch.equal(mlp(x[5:6]), y[5:6]) and torch.equal(norm(x[:16].reshape(2, 8, -1)), n[:16].reshape(2, 8, -1))
 
 
+@pytest.mark.parametrize("gate_fmt, inter", [("u5", 96), ("u6", 256), ("u4k", 256), ("u4", 32)])
+def test_fused_mlp_equals_its_parts(gate_fmt, inter):
+    """The MLP kernel computes gate and up 32 outputs at a time and quantizes their product for down while it is
+    in cache: bit for bit what gate, up, silu·mul and down give as separate calls, across its 64-row chunks."""
+    from ragspec.models.gguf_kernel import load_kernels
+
+    ops = load_kernels()
+    gate, up = random_linear(gate_fmt, inter, 256, seed=1), random_linear("u5", inter, 256, seed=2)
+    down = random_linear("u6" if inter % 256 == 0 else "u4", 48, inter, seed=3)
+    x = torch.randn(150, 256, generator=torch.Generator().manual_seed(0)) * 3
+    with torch.inference_mode():
+        for m in (1, 9, 64, 150):
+            h = ops.silu_mul(gate(x[:m]), up(x[:m]))
+            g, u, d = gate.kernel_args(), up.kernel_args(), down.kernel_args()
+            y = ops.mlp(x[:m], *g[:4], gate.code, *u[:4], up.code, *d[:4], down.code, inter, 48)
+            assert torch.equal(y, down(h)), m
+
+
 @pytest.mark.parametrize("method", ["none", "pld", "trie", "suffix", "lookahead", "ngrammys", "auto",
                                     "pldplus-h", "pldplus-a"])
 def test_greedy_matches_plain_greedy(smol_gguf, gguf_cases, method):

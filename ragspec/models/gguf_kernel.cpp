@@ -184,6 +184,20 @@ inline __m512i dot_acc16(__m512i acc, __m512i u, __m512i s) {
 #endif
 }
 
+// acc + the dot of u with the 4 bytes at p repeated over the 16 lanes: the bytes read by the instruction itself
+// (an embedded broadcast), not by a separate vpbroadcastd that GCC will not fold (a quarter of the tile's
+// instructions on a Zen 4).
+inline __m512i dot_acc16_at(__m512i acc, __m512i u, const int8_t* p) {
+#if defined(__AVX512VNNI__)
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+#else
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  return dot_acc16(acc, u, _mm512_set1_epi32(four));
+#endif
+}
+
 // 32 bytes of block b (p) and of block b + 1 (p + stride) as one register
 inline __m512i pair256(const uint8_t* p, int64_t stride) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
@@ -261,11 +275,15 @@ void block16(int64_t G, const int8_t* xq, const float* sx, const float* xs, cons
       const int a = FMT == 3 ? c / 4 : c % A;
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, xg + r * K + 4 * c, 4);
-        __m512i xb = _mm512_set1_epi32(four);
-        if constexpr (FMT == 2) xb = _mm512_mask_sub_epi8(xb, neg, _mm512_setzero_si512(), xb);  // x in -127..127
-        isum[a][r] = dot_acc16(isum[a][r], u, xb);
+        if constexpr (FMT == 2) {
+          int32_t four;
+          std::memcpy(&four, xg + r * K + 4 * c, 4);
+          __m512i xb = _mm512_set1_epi32(four);
+          xb = _mm512_mask_sub_epi8(xb, neg, _mm512_setzero_si512(), xb);  // x in -127..127
+          isum[a][r] = dot_acc16(isum[a][r], u, xb);
+        } else {
+          isum[a][r] = dot_acc16_at(isum[a][r], u, xg + r * K + 4 * c);
+        }
       }
     }
 #pragma GCC unroll 8
@@ -337,6 +355,24 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
 }
 #endif
 
+// One group of 32 floats -> int8 (-127..127) with its scale, and scale * the sum of the int8 values: llama.cpp's
+// Q8 rule. Every quantisation of activations goes through here, so a group's bits never depend on the caller.
+inline void quantize_group(const float* v, int8_t* q, float* scale_out, float* sum_out) {
+  float amax = 0.f;
+  for (int j = 0; j < GROUP; ++j) amax = std::fmax(amax, std::fabs(v[j]));
+  const float scale = amax / 127.f;
+  const float inv = scale > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  for (int j = 0; j < GROUP; ++j) {
+    int v8 = static_cast<int>(std::nearbyint(v[j] * inv));
+    v8 = v8 > 127 ? 127 : (v8 < -127 ? -127 : v8);
+    q[j] = static_cast<int8_t>(v8);
+    sum += v8;
+  }
+  *scale_out = scale;
+  *sum_out = scale * static_cast<float>(sum);
+}
+
 // x [M, K] float32 -> (xq int8 [M, K], sx [M, G], xs [M, G]); each row and group alone.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % GROUP == 0, "quantize_rows: x must be [M, K], K a multiple of 32");
@@ -349,51 +385,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
   int8_t* pq = xq.data_ptr<int8_t>();
   float *psx = sx.data_ptr<float>(), *pxs = xs.data_ptr<float>();
   at::parallel_for(0, M * G, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* v = px + i * GROUP;  // row i / G, group i % G: rows are contiguous, so groups are too
-      float amax = 0.f;
-      for (int j = 0; j < GROUP; ++j) amax = std::fmax(amax, std::fabs(v[j]));
-      const float scale = amax / 127.f;
-      const float inv = scale > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      for (int j = 0; j < GROUP; ++j) {
-        int q = static_cast<int>(std::nearbyint(v[j] * inv));
-        q = q > 127 ? 127 : (q < -127 ? -127 : q);
-        pq[i * GROUP + j] = static_cast<int8_t>(q);
-        sum += q;
-      }
-      psx[i] = scale;
-      pxs[i] = scale * static_cast<float>(sum);
-    }
+    // row i / G, group i % G: rows are contiguous, so groups are too
+    for (int64_t i = begin; i < end; ++i) quantize_group(px + i * GROUP, pq + i * GROUP, psx + i, pxs + i);
   });
   return {xq, sx, xs};
 }
 
-// y [M, N] float32 = quantised x times the block-quantised weight, in the layout above (wh, mn empty where
-// the format has none).
-at::Tensor qmatmul(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor& xs, const at::Tensor& w,
-                   const at::Tensor& wh, const at::Tensor& d, const at::Tensor& mn, int64_t fmt) {
-  TORCH_CHECK(xq.is_contiguous() && w.is_contiguous() && d.is_contiguous() && mn.is_contiguous() &&
-              wh.is_contiguous(), "qmatmul: contiguous inputs");
+// A block-quantised weight as qmatmul reads it: pointers and the bytes of each block of 8 outputs (weights, high
+// bits, scales (d: fp16 values), second scales (mn: bytes)).
+struct Blocks {
+  const uint8_t* w;
+  const uint8_t* wh;
+  const uint16_t* d;
+  const uint8_t* mn;
+  int64_t wblock, hblock, dblock, mblock, fmt, N, G;
+};
+
+Blocks blocks_of(const at::Tensor& w, const at::Tensor& wh, const at::Tensor& d, const at::Tensor& mn, int64_t fmt,
+                 int64_t K) {
+  TORCH_CHECK(w.is_contiguous() && d.is_contiguous() && mn.is_contiguous() && wh.is_contiguous(),
+              "qmatmul: contiguous inputs");
   TORCH_CHECK(fmt >= 0 && fmt <= 4, "qmatmul: fmt must be 0 (u4), 1 (u5), 2 (s8), 3 (u6) or 4 (u4k)");
-  const int64_t M = xq.size(0), K = xq.size(1), G = K / GROUP, N = w.size(0) * 8;
+  const int64_t G = K / GROUP, N = w.size(0) * 8;
   const bool super = fmt >= 3;  // scales per 8 groups (a GGUF super-block of 256 inputs)
   TORCH_CHECK(w.size(1) == G && d.size(0) == N / 8 && d.size(1) == (super ? G / 8 : G) && (!super || G % 8 == 0),
               "qmatmul: weights do not match K");
-  // bytes of each block of 8 outputs: weights, high bits, scales (d: fp16 values), second scales (mn: bytes)
-  const int64_t wblock = G * (fmt == 2 ? 256 : 128), hblock = G * (fmt == 1 ? 32 : fmt == 3 ? 64 : 0);
-  const int64_t dblock = fmt == 4 ? G / 8 * 16 : fmt == 3 ? G : G * 8, mblock = fmt == 2 ? 0 : G * 16;
-  TORCH_CHECK(wh.numel() == N / 8 * hblock && d.numel() * d.element_size() == N / 8 * dblock * 2 &&
-              mn.numel() * mn.element_size() == N / 8 * mblock, "qmatmul: scales do not match the format");
-  at::Tensor y = at::empty({M, N}, sx.options());
-  const int8_t* px = xq.data_ptr<int8_t>();
-  const float *psx = sx.data_ptr<float>(), *pxs = xs.data_ptr<float>();
-  const uint8_t* pw = w.data_ptr<uint8_t>();
-  const uint8_t* pwh = hblock ? static_cast<const uint8_t*>(wh.data_ptr()) : nullptr;
-  const uint16_t* pd = static_cast<const uint16_t*>(d.data_ptr());
-  const uint8_t* pm = mblock ? static_cast<const uint8_t*>(mn.data_ptr()) : nullptr;
-  // u6: each row's xq summed over each half group (16 inputs), the -32 of its weights applied in integers
-  std::vector<int32_t> hs(fmt == 3 ? M * G * 2 : 0);
+  Blocks b;
+  b.wblock = G * (fmt == 2 ? 256 : 128);
+  b.hblock = G * (fmt == 1 ? 32 : fmt == 3 ? 64 : 0);
+  b.dblock = fmt == 4 ? G / 8 * 16 : fmt == 3 ? G : G * 8;
+  b.mblock = fmt == 2 ? 0 : G * 16;
+  TORCH_CHECK(wh.numel() == N / 8 * b.hblock && d.numel() * d.element_size() == N / 8 * b.dblock * 2 &&
+              mn.numel() * mn.element_size() == N / 8 * b.mblock, "qmatmul: scales do not match the format");
+  b.w = w.data_ptr<uint8_t>();
+  b.wh = b.hblock ? static_cast<const uint8_t*>(wh.data_ptr()) : nullptr;
+  b.d = static_cast<const uint16_t*>(d.data_ptr());
+  b.mn = b.mblock ? static_cast<const uint8_t*>(mn.data_ptr()) : nullptr;
+  b.fmt = fmt;
+  b.N = N;
+  b.G = G;
+  return b;
+}
+
+// u6: each row's xq summed over each half group (16 inputs), the -32 of its weights applied in integers
+std::vector<int32_t> half_sums(const int8_t* px, int64_t M, int64_t G) {
+  std::vector<int32_t> hs(M * G * 2);
   at::parallel_for(0, static_cast<int64_t>(hs.size()), 1024, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       int32_t sum = 0;
@@ -401,36 +437,39 @@ at::Tensor qmatmul(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor&
       hs[i] = sum;
     }
   });
-  float* py = y.data_ptr<float>();
-  // blocks of outputs per thread; each streams its part of the weight once for all M rows
-  at::parallel_for(0, N / 8, NB, [&](int64_t begin, int64_t end) {
-    for (int64_t b0 = begin; b0 < end; b0 += NB) {
-      for (int64_t m0 = 0; m0 < M; m0 += MT) {
-        const int rows = static_cast<int>(std::min<int64_t>(MT, M - m0));
-        const int64_t bend = std::min(end, b0 + NB);
-        for (int64_t b = b0; b < bend;) {
-          const uint8_t* wb = pw + b * wblock;
-          const uint8_t* hb = pwh ? pwh + b * hblock : nullptr;
-          const uint16_t* db = pd + b * dblock;
-          const uint8_t* mb = pm ? pm + b * mblock : nullptr;
-          const int8_t* x0 = px + m0 * K;
-          const float* s0 = psx + m0 * G;
-          const float* t0 = pxs + m0 * G;
-          const int32_t* h0 = hs.empty() ? nullptr : hs.data() + m0 * G * 2;
-          float* y0 = py + m0 * N + 8 * b;
+  return hs;
+}
+
+// Outputs of blocks [b0, bend) for all M rows into y (the first output of block b0 at y[0], rows ldy apart);
+// the blocks' weights stay in cache while every tile of rows passes.
+void run_blocks(const Blocks& W, const int8_t* px, const float* psx, const float* pxs, const int32_t* hs, int64_t M,
+                int64_t K, int64_t b0, int64_t bend, float* y, int64_t ldy) {
+  const int64_t G = W.G;
+  for (int64_t m0 = 0; m0 < M; m0 += MT) {
+    const int rows = static_cast<int>(std::min<int64_t>(MT, M - m0));
+    for (int64_t b = b0; b < bend;) {
+      const uint8_t* wb = W.w + b * W.wblock;
+      const uint8_t* hb = W.wh ? W.wh + b * W.hblock : nullptr;
+      const uint16_t* db = W.d + b * W.dblock;
+      const uint8_t* mb = W.mn ? W.mn + b * W.mblock : nullptr;
+      const int8_t* x0 = px + m0 * K;
+      const float* s0 = psx + m0 * G;
+      const float* t0 = pxs + m0 * G;
+      const int32_t* h0 = hs ? hs + m0 * G * 2 : nullptr;
+      float* y0 = y + m0 * ldy + 8 * (b - b0);
 #if defined(RAGSPEC_BLOCK16)
-          // two blocks in one 512-bit pass (the same bits as one at a time): faster for full tiles of rows, slower
-          // for a few rows (measured on a Zen 4)
-          const bool pair = rows >= 7 && b + 1 < bend;
+      // two blocks in one 512-bit pass (the same bits as one at a time): faster for full tiles of rows, slower
+      // for a few rows (measured on a Zen 4)
+      const bool pair = rows >= 7 && b + 1 < bend;
 #else
-          constexpr bool pair = false;
+      constexpr bool pair = false;
 #endif
-          switch (fmt * 32 + pair * 16 + rows) {
+      switch (W.fmt * 32 + pair * 16 + rows) {
 #define RAGSPEC_CASE(F, R) \
-  case F * 32 + R: block<F, R>(G, x0, s0, t0, h0, K, wb, hb, db, mb, y0, N); break;
+  case F * 32 + R: block<F, R>(G, x0, s0, t0, h0, K, wb, hb, db, mb, y0, ldy); break;
 #define RAGSPEC_PAIR(F, R) \
   case F * 32 + 16 + R: \
-    block16<F, R>(G, x0, s0, t0, h0, K, wb, hb, db, mb, y0, N, wblock, hblock, dblock, mblock); break;
+    block16<F, R>(G, x0, s0, t0, h0, K, wb, hb, db, mb, y0, ldy, W.wblock, W.hblock, W.dblock, W.mblock); break;
 #if defined(RAGSPEC_BLOCK16)
 #define RAGSPEC_ROWS(F) RAGSPEC_CASE(F, 1) RAGSPEC_CASE(F, 2) RAGSPEC_CASE(F, 3) RAGSPEC_CASE(F, 4) \
   RAGSPEC_CASE(F, 5) RAGSPEC_CASE(F, 6) RAGSPEC_CASE(F, 7) RAGSPEC_CASE(F, 8) RAGSPEC_PAIR(F, 7) RAGSPEC_PAIR(F, 8)
@@ -440,15 +479,32 @@ at::Tensor qmatmul(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor&
 #else
 #define RAGSPEC_ROWS(F) RAGSPEC_CASE(F, 1) RAGSPEC_CASE(F, 2) RAGSPEC_CASE(F, 3) RAGSPEC_CASE(F, 4)
 #endif
-            RAGSPEC_ROWS(0) RAGSPEC_ROWS(1) RAGSPEC_ROWS(2) RAGSPEC_ROWS(3) RAGSPEC_ROWS(4)
+        RAGSPEC_ROWS(0) RAGSPEC_ROWS(1) RAGSPEC_ROWS(2) RAGSPEC_ROWS(3) RAGSPEC_ROWS(4)
 #undef RAGSPEC_ROWS
 #undef RAGSPEC_PAIR
 #undef RAGSPEC_CASE
-          }
-          b += pair ? 2 : 1;
-        }
       }
+      b += pair ? 2 : 1;
     }
+  }
+}
+
+// y [M, N] float32 = quantised x times the block-quantised weight, in the layout above (wh, mn empty where
+// the format has none).
+at::Tensor qmatmul(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor& xs, const at::Tensor& w,
+                   const at::Tensor& wh, const at::Tensor& d, const at::Tensor& mn, int64_t fmt) {
+  TORCH_CHECK(xq.is_contiguous(), "qmatmul: contiguous inputs");
+  const int64_t M = xq.size(0), K = xq.size(1);
+  const Blocks W = blocks_of(w, wh, d, mn, fmt, K);
+  at::Tensor y = at::empty({M, W.N}, sx.options());
+  const int8_t* px = xq.data_ptr<int8_t>();
+  const std::vector<int32_t> hs = fmt == 3 ? half_sums(px, M, W.G) : std::vector<int32_t>();
+  float* py = y.data_ptr<float>();
+  // blocks of outputs per thread; each streams its part of the weight once for all M rows
+  at::parallel_for(0, W.N / 8, NB, [&](int64_t begin, int64_t end) {
+    for (int64_t b0 = begin; b0 < end; b0 += NB)
+      run_blocks(W, px, sx.data_ptr<float>(), xs.data_ptr<float>(), hs.empty() ? nullptr : hs.data(), M, K, b0,
+                 std::min(end, b0 + NB), py + 8 * b0, W.N);
   });
   return y;
 }
@@ -478,40 +534,84 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
+// h[c] = silu(g[c]) * u[c] for c < n; eight lanes at a time where the CPU has them, c from a multiple of 8 so that
+// an element's bits never depend on where the call starts.
+inline void silu_mul(const float* g, const float* u, float* h, int64_t n) {
+  int64_t c = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; c + 8 <= n; c += 8) {
+    const __m256 a = _mm256_loadu_ps(g + c);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
+    _mm256_storeu_ps(h + c, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), _mm256_loadu_ps(u + c)));
+  }
+#endif
+  for (; c < n; ++c) h[c] = g[c] / (1.0f + exp1(-g[c])) * u[c];
+}
+
+// g, u [M, n] float32 -> silu(g) * u as mlp computes it (the parts of mlp, for tests that compare it with them).
+at::Tensor silu_mul_op(const at::Tensor& g_in, const at::Tensor& u_in) {
+  at::Tensor g = g_in.contiguous(), u = u_in.contiguous();
+  TORCH_CHECK(g.scalar_type() == at::kFloat && g.sizes() == u.sizes() && g.dim() == 2, "silu_mul: float32 [M, n]");
+  at::Tensor h = at::empty_like(g);
+  const int64_t n = g.size(1);
+  for (int64_t r = 0; r < g.size(0); ++r)
+    silu_mul(g.data_ptr<float>() + r * n, u.data_ptr<float>() + r * n, h.data_ptr<float>() + r * n, n);
+  return h;
+}
+
 // The MLP of Llama/Qwen2 in one call: down(silu(gate(x)) * up(x)), x quantized once for gate and up. Each
-// element of the product depends on its own row only, so the rows stay independent.
+// element of the product depends on its own row only, so the rows stay independent. Gate and up run 32 outputs
+// (one group of down's inputs) for 64 rows at a time, and the product is quantised for down while it is in
+// cache: the [M, inter] floats of gate, up and their product never go to memory (a 353-token prompt's MLP
+// takes 0.8-0.9x the time of the unfused calls on a Zen 4). Each group is the same operations as computed
+// apart, so the bits are those of gate, up, silu_mul, quantize_rows and down one by one.
 at::Tensor mlp(const at::Tensor& x, const at::Tensor& gw, const at::Tensor& gwh, const at::Tensor& gd,
                const at::Tensor& gmn, int64_t gfmt, const at::Tensor& uw, const at::Tensor& uwh, const at::Tensor& ud,
                const at::Tensor& umn, int64_t ufmt, const at::Tensor& dw, const at::Tensor& dwh, const at::Tensor& dd,
                const at::Tensor& dmn, int64_t dfmt, int64_t inter, int64_t out) {
   const int64_t K = x.size(-1);
   auto [xq, sx, xs] = quantize_rows(x.reshape({-1, K}));
-  at::Tensor g = qmatmul(xq, sx, xs, gw, gwh, gd, gmn, gfmt);
-  at::Tensor u = qmatmul(xq, sx, xs, uw, uwh, ud, umn, ufmt);
-  const int64_t M = g.size(0), NG = g.size(1), NU = u.size(1);
-  at::Tensor h = at::empty({M, inter}, g.options());
-  const float *pg = g.data_ptr<float>(), *pu = u.data_ptr<float>();
-  float* ph = h.data_ptr<float>();
-  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      int64_t c = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-      for (; c + 8 <= inter; c += 8) {
-        const __m256 a = _mm256_loadu_ps(pg + r * NG + c);
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
-        _mm256_storeu_ps(ph + r * inter + c, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
-                                                           _mm256_loadu_ps(pu + r * NU + c)));
-      }
-#endif
-      for (; c < inter; ++c) {
-        const float a = pg[r * NG + c];
-        ph[r * inter + c] = a / (1.0f + exp1(-a)) * pu[r * NU + c];
+  const int64_t M = xq.size(0);
+  const Blocks Wg = blocks_of(gw, gwh, gd, gmn, gfmt, K), Wu = blocks_of(uw, uwh, ud, umn, ufmt, K);
+  TORCH_CHECK(Wg.N == Wu.N && Wg.N >= inter && inter % GROUP == 0,
+              "mlp: gate and up must match, their outputs a multiple of 32");
+  const int64_t T = inter / GROUP;
+  at::Tensor hq = at::empty({M, inter}, xq.options());
+  at::Tensor hsx = at::empty({M, T}, sx.options());
+  at::Tensor hxs = at::empty({M, T}, sx.options());
+  const int8_t* px = xq.data_ptr<int8_t>();
+  const float *psx = sx.data_ptr<float>(), *pxs = xs.data_ptr<float>();
+  const std::vector<int32_t> hs = gfmt == 3 || ufmt == 3 ? half_sums(px, M, K / GROUP) : std::vector<int32_t>();
+  const int32_t* phs = hs.empty() ? nullptr : hs.data();
+  int8_t* phq = hq.data_ptr<int8_t>();
+  float *phsx = hsx.data_ptr<float>(), *phxs = hxs.data_ptr<float>();
+  const int64_t G = K / GROUP;
+  constexpr int64_t CHUNK = 64;  // rows whose activations stay in cache while gate and up pass over them
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    float gbuf[CHUNK * GROUP], ubuf[CHUNK * GROUP], h[GROUP];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b0 = t * GROUP / 8;
+      for (int64_t c0 = 0; c0 < M; c0 += CHUNK) {
+        const int64_t rows = std::min(CHUNK, M - c0);
+        const int8_t* x0 = px + c0 * K;
+        const int32_t* h0 = phs ? phs + c0 * G * 2 : nullptr;
+        run_blocks(Wg, x0, psx + c0 * G, pxs + c0 * G, gfmt == 3 ? h0 : nullptr, rows, K, b0, b0 + GROUP / 8, gbuf,
+                   GROUP);
+        run_blocks(Wu, x0, psx + c0 * G, pxs + c0 * G, ufmt == 3 ? h0 : nullptr, rows, K, b0, b0 + GROUP / 8, ubuf,
+                   GROUP);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t m = c0 + r;
+          silu_mul(gbuf + r * GROUP, ubuf + r * GROUP, h, GROUP);
+          quantize_group(h, phq + m * inter + t * GROUP, phsx + m * T + t, phxs + m * T + t);
+        }
       }
     }
   });
+  at::Tensor y = qmatmul(hq, hsx, hxs, dw, dwh, dd, dmn, dfmt);
+  if (y.size(1) != out) y = y.narrow(1, 0, out).contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out;
-  return linear(h, dw, dwh, dd, dmn, at::empty({0}, x.options()), dfmt, out).view(shape);
+  return y.view(shape);
 }
 
 // RMSNorm as Llama/Qwen2 define it, w * (x * rsqrt(mean(x²) + eps)), the mean in a fixed order (16 partial
@@ -548,6 +648,7 @@ TORCH_LIBRARY(ragspec_gguf, m) {
   m.def("mlp(Tensor x, Tensor gw, Tensor gwh, Tensor gd, Tensor gmn, int gfmt, Tensor uw, Tensor uwh, Tensor ud, "
         "Tensor umn, int ufmt, Tensor dw, Tensor dwh, Tensor dd, Tensor dmn, int dfmt, int inter, int out) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor g, Tensor u) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ragspec_gguf, CPU, m) {
@@ -556,4 +657,5 @@ TORCH_LIBRARY_IMPL(ragspec_gguf, CPU, m) {
   m.impl("linear", &linear);
   m.impl("mlp", &mlp);
   m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul_op);
 }
