@@ -151,6 +151,8 @@ def test_the_gate_embeds_only_what_the_index_does_not_store(pipes, f32):
         for s in sources:
             if len(s.locations[0].chunk_ids) == 1:  # one chunk whole: every text it is judged by is stored
                 assert all(w in known for w in windows(s)) and _whole(s) in known
+            else:  # merged neighbours: their chunks' own vectors stand for the whole, never embedded here
+                assert known[_whole(s)].shape[0] == len(s.locations[0].chunk_ids)
 
 
 def test_stored_windows_give_the_gate_and_the_budget_the_same_decisions(pipes):

@@ -257,3 +257,30 @@ def test_window_embeddings_are_remembered_across_asks(embedder):
     small = EmbeddingMemo(capacity=2)
     measure(embedder, "Where does the Danube rise?", sources, memo=small)
     assert len(small.vectors) == 2
+
+
+def test_a_merged_source_is_scored_by_its_chunks_vectors(embedder):
+    """A source of several merged chunks is judged as a whole by the best of its chunks' stored vectors (given as
+    one [k, dim] array), never by embedding its long text at ask time; its windows are scored as any."""
+    from ragspec.retrieve.windows import _whole, measure, windows
+
+    chunks = ["The Danube flows through ten countries. It rises in the Black Forest.",
+              "Its delta lies in Romania. It ends in the Black Sea."]
+    merged = SourceText(1, " ".join(chunks), "rivers.txt")
+    other = SourceText(2, "Knead the dough for ten minutes. Let it rise for an hour.", "bread.rst")
+    question = "Which sea does the Danube reach?"
+    parts = np.asarray(embedder.encode(chunks), dtype=np.float32)
+    calls = []
+
+    class Counting:
+        def encode(self, texts):
+            calls.append(list(texts))
+            return embedder.encode(texts)
+
+    got = measure(Counting(), question, [merged, other], stored={_whole(merged): parts})
+    assert _whole(merged) not in calls[0] and question in calls[0]
+    q, wins = embedder.encode([question])[0], [w for s in (merged, other) for w in windows(s)]
+    best_window = max(float(v @ q) for v in embedder.encode(wins))
+    best_whole = max(float((parts @ q).max()), float(embedder.encode([_whole(other)])[0] @ q))
+    tol = 1e-4 if embedder.dtype == "float32" else 3e-3  # bf16 embeddings round by batch
+    assert got.score == pytest.approx((best_window + best_whole) / 2, abs=tol)
