@@ -33,6 +33,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -581,15 +582,15 @@ at::Tensor mlp(const at::Tensor& x, const at::Tensor& gw, const at::Tensor& gwh,
   at::Tensor hxs = at::empty({M, T}, sx.options());
   const int8_t* px = xq.data_ptr<int8_t>();
   const float *psx = sx.data_ptr<float>(), *pxs = xs.data_ptr<float>();
-  const std::vector<int32_t> hs = gfmt == 3 || ufmt == 3 ? half_sums(px, M, K / GROUP) : std::vector<int32_t>();
+  const int64_t G = K / GROUP;
+  const std::vector<int32_t> hs = gfmt == 3 || ufmt == 3 ? half_sums(px, M, G) : std::vector<int32_t>();
   const int32_t* phs = hs.empty() ? nullptr : hs.data();
   int8_t* phq = hq.data_ptr<int8_t>();
   float *phsx = hsx.data_ptr<float>(), *phxs = hxs.data_ptr<float>();
-  const int64_t G = K / GROUP;
   // 64 rows of one group of outputs at a time, or fewer rows of several groups (up to 8: a decode step streams
   // each weight in runs long enough for the prefetchers; one group at a time made a one-row step ~10 % slower)
   constexpr int64_t SPAN = 64;
-  const int64_t chunk = std::min<int64_t>(M, SPAN), width = std::min<int64_t>(8, SPAN / chunk);
+  const int64_t chunk = std::clamp<int64_t>(M, 1, SPAN), width = std::min<int64_t>(8, SPAN / chunk);
   at::parallel_for(0, (T + width - 1) / width, 1, [&](int64_t begin, int64_t end) {
     float gbuf[SPAN * GROUP], ubuf[SPAN * GROUP], h[GROUP];
     for (int64_t tile = begin; tile < end; ++tile) {
