@@ -107,6 +107,38 @@ def test_rows_are_independent(fmt):
         assert torch.equal(lin(x[:16].reshape(1, 16, 512)), full[:16].reshape(1, 16, 136))  # 3-D input
 
 
+def test_amx_tiles_give_the_same_bits():
+    """Where the CPU has AMX, tiles of 16 rows take each group's integer sums from the tile unit and then run the
+    512-bit pass's float operations in its order: the same bits as the VNNI/AVX path, for every format, across
+    full and partial tiles, an odd last block, and inside the fused MLP."""
+    from ragspec.models.gguf_kernel import load_kernels
+
+    ops = load_kernels()
+    if not ops.amx(-1):
+        pytest.skip("no AMX on this CPU (or not granted by the kernel)")
+    cases = [(random_linear(fmt, rows, 768 if fmt in ("u6", "u4k") else 640, seed=5), rows)
+             for fmt in FMTS for rows in (200, 56, 8)]
+    gate, up = random_linear("u4k", 256, 256, seed=1), random_linear("u5", 256, 256, seed=2)
+    down = random_linear("u6", 48, 256, seed=3)
+    g, u, d = gate.kernel_args(), up.kernel_args(), down.kernel_args()
+    try:
+        with torch.inference_mode():
+            for m in (15, 16, 17, 31, 32, 48, 100, 300):
+                for lin, _ in cases:
+                    x = torch.randn(m, lin.in_features, generator=torch.Generator().manual_seed(m)) * 2
+                    ops.amx(1)
+                    tiles = lin(x)
+                    ops.amx(0)
+                    assert torch.equal(tiles, lin(x)), (lin.fmt, lin.out_features, m)
+                x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)) * 3
+                ops.amx(1)
+                tiles = ops.mlp(x, *g[:4], gate.code, *u[:4], up.code, *d[:4], down.code, 256, 48)
+                ops.amx(0)
+                assert torch.equal(tiles, ops.mlp(x, *g[:4], gate.code, *u[:4], up.code, *d[:4], down.code, 256, 48)), m
+    finally:
+        ops.amx(1)
+
+
 def test_zero_rows_and_bad_shapes():
     lin = random_linear("u4", 16, 64)
     with torch.inference_mode():

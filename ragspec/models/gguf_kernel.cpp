@@ -34,10 +34,17 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "kernel_math.h"
 
@@ -307,6 +314,185 @@ void block16(int64_t G, const int8_t* xq, const float* sx, const float* xs, cons
     _mm512_storeu_ps(y + r * N, v);
   }
 }
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__linux__)
+#define RAGSPEC_AMX 1
+// AMX (Intel Sapphire Rapids and later): a tile instruction computes the integer sums of one group for 16 rows
+// and 16 outputs at once (tdpbsud: int8 activations by unsigned weight bytes; tdpbssd for s8), where block16
+// issues 8 vpdpbusd per row. The integer sums are exact in any order, and the float operations after them are
+// block16's, lane by lane, in its order: the same bits as block16 and block (tests compare the two paths).
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux hands a process the tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA)
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// -1: decide from RAGSPEC_GGUF_AMX (default on) on first use; 0 off; 1 on (the amx op switches it, for tests)
+std::atomic<int> amx_mode{-1};
+
+bool amx_on() {
+  int mode = amx_mode.load(std::memory_order_relaxed);
+  if (mode < 0) {
+    const char* env = std::getenv("RAGSPEC_GGUF_AMX");
+    mode = (env && std::strcmp(env, "0") == 0) ? 0 : (amx_permitted() ? 1 : 0);
+    amx_mode.store(mode, std::memory_order_relaxed);
+  }
+  return mode == 1;
+}
+
+// Tiles: 0 and 1 hold results (16 rows x 16 int32); 2, 3 and 4, 5 two sets of activations (16 rows x 32 bytes:
+// a group) and weights (8 rows of 4 inputs x 16 outputs), so that consecutive groups overlap; for u6 (`halves`)
+// 2, 3 and 4, 5 are its two half groups (16 inputs each), whose sums it scales apart.
+void amx_configure(bool halves) {
+  TileConfig c{};
+  c.palette = 1;
+  c.rows[0] = c.rows[1] = 16;
+  c.colsb[0] = c.colsb[1] = 64;
+  c.rows[2] = c.rows[4] = 16;
+  c.colsb[2] = c.colsb[4] = halves ? 16 : 32;
+  c.rows[3] = c.rows[5] = halves ? 4 : 8;
+  c.colsb[3] = c.colsb[5] = 64;
+  _tile_loadconfig(&c);
+}
+
+// y[r][8b .. 8b+16) for rows [0, M) (M a multiple of 16) of blocks b and b + 1, arguments as block16's. The
+// pair's weights are unpacked to bytes (and its scales to floats) once for all the tiles of rows.
+template <int FMT>
+void amx_pair(int64_t M, int64_t G, const int8_t* xq, const float* sx, const float* xs, const int32_t* hs,
+              int64_t K, const uint8_t* w, const uint8_t* wh, const uint16_t* d, const uint8_t* mn, float* y,
+              int64_t N, int64_t wstep, int64_t hstep, int64_t dstep, int64_t mstep) {
+  constexpr int R = 16, GC = 8;  // rows of a tile; groups whose integer sums are taken before their float sums
+  thread_local std::vector<uint8_t> wbytes;
+  thread_local std::vector<float> scales;
+  wbytes.resize(G * 512 + 64);
+  scales.resize(G * 64 + 16);
+  uint8_t* wb = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wbytes.data()) + 63) & ~uintptr_t(63));
+  float* dvs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scales.data()) + 63) & ~uintptr_t(63));
+  float* mvs = dvs + G * 16;
+  int32_t* sc0s = reinterpret_cast<int32_t*>(mvs + G * 16);
+  int32_t* sc1s = sc0s + G * 16;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 dv, mv = _mm512_setzero_ps();
+    if constexpr (FMT <= 2) {
+      dv = pair_half(d + g * 8, dstep);
+      if constexpr (FMT != 2) mv = pair_half(reinterpret_cast<const uint16_t*>(mn) + g * 8, mstep / 2);
+    } else if constexpr (FMT == 4) {
+      const uint16_t* dd = d + (g / 8) * 16;
+      dv = _mm512_mul_ps(pair_half(dd, dstep), _mm512_cvtepi32_ps(pair_bytes<false>(mn + g * 16, mstep)));
+      mv = _mm512_sub_ps(_mm512_setzero_ps(),
+                         _mm512_mul_ps(pair_half(dd + 8, dstep), _mm512_cvtepi32_ps(pair_bytes<false>(mn + g * 16 + 8, mstep))));
+    } else {
+      dv = pair_half(d + (g / 8) * 8, dstep);
+      _mm512_store_si512(sc0s + g * 16, pair_bytes<true>(mn + g * 16, mstep));
+      _mm512_store_si512(sc1s + g * 16, pair_bytes<true>(mn + g * 16 + 8, mstep));
+    }
+    _mm512_store_ps(dvs + g * 16, dv);
+    _mm512_store_ps(mvs + g * 16, mv);
+    for (int c = 0; c < 8; ++c) {
+      __m512i u;
+      if constexpr (FMT == 2) {
+        u = pair256(w + g * 256 + 32 * c, wstep);  // signed weights as they are (tdpbssd)
+      } else {
+        const __m512i bv = pair256(w + g * 128 + 32 * (c % 4), wstep);
+        u = _mm512_and_si512(c < 4 ? bv : _mm512_srli_epi16(bv, 4), _mm512_set1_epi8(0x0F));
+        if constexpr (FMT == 1) {
+          const uint64_t bits = *reinterpret_cast<const uint32_t*>(wh + g * 32 + 4 * c) |
+                                static_cast<uint64_t>(*reinterpret_cast<const uint32_t*>(wh + hstep + g * 32 + 4 * c)) << 32;
+          u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10)));
+        }
+        if constexpr (FMT == 3) {
+          const __m512i hv = pair256(wh + g * 64 + 32 * (c / 4), hstep);
+          const int k = c % 4;
+          const __m512i t = k == 0 ? _mm512_slli_epi16(hv, 4) : k == 1 ? _mm512_slli_epi16(hv, 2)
+                            : k == 2 ? hv : _mm512_srli_epi16(hv, 2);
+          u = _mm512_or_si512(u, _mm512_and_si512(t, _mm512_set1_epi8(0x30)));
+          u = _mm512_sub_epi8(u, _mm512_set1_epi8(32));  // q - 32 as signed bytes (tdpbssd)
+        }
+      }
+      _mm512_store_si512(wb + g * 512 + 64 * c, u);
+    }
+  }
+  alignas(64) int32_t isum[GC][2][R * 16];
+  alignas(64) float acc[R][16], macc[R][16];
+  for (int64_t m0 = 0; m0 < M; m0 += R) {
+    const int8_t* xt = xq + m0 * K;
+    const float* st = sx + m0 * G;
+    const float* tt = xs + m0 * G;
+    std::memset(acc, 0, sizeof acc);
+    std::memset(macc, 0, sizeof macc);
+    for (int64_t g0 = 0; g0 < G; g0 += GC) {
+      const int gn = static_cast<int>(std::min<int64_t>(GC, G - g0));
+      for (int gi = 0; gi < gn; ++gi) {
+        const int64_t g = g0 + gi;
+        const int8_t* xg = xt + g * GROUP;
+        if constexpr (FMT == 3) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_loadd(2, xg, K);
+          _tile_loadd(3, wb + g * 512, 64);
+          _tile_loadd(4, xg + 16, K);
+          _tile_loadd(5, wb + g * 512 + 256, 64);
+          _tile_dpbssd(0, 2, 3);
+          _tile_dpbssd(1, 4, 5);
+          _tile_stored(0, isum[gi][0], 64);
+          _tile_stored(1, isum[gi][1], 64);
+        } else if (gi % 2 == 0) {
+          _tile_zero(0);
+          _tile_loadd(2, xg, K);
+          _tile_loadd(3, wb + g * 512, 64);
+          if constexpr (FMT == 2) _tile_dpbssd(0, 2, 3);
+          else _tile_dpbsud(0, 2, 3);
+          _tile_stored(0, isum[gi][0], 64);
+        } else {
+          _tile_zero(1);
+          _tile_loadd(4, xg, K);
+          _tile_loadd(5, wb + g * 512, 64);
+          if constexpr (FMT == 2) _tile_dpbssd(1, 4, 5);
+          else _tile_dpbsud(1, 4, 5);
+          _tile_stored(1, isum[gi][0], 64);
+        }
+      }
+      for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h+8: their sums stay in registers across the chunk's groups
+        __m512 a[8], ma[8];
+        for (int r = 0; r < 8; ++r) a[r] = _mm512_load_ps(acc[8 * h + r]), ma[r] = _mm512_load_ps(macc[8 * h + r]);
+        for (int gi = 0; gi < gn; ++gi) {
+          const int64_t g = g0 + gi;
+          const __m512 dv = _mm512_load_ps(dvs + g * 16), mv = _mm512_load_ps(mvs + g * 16);
+          __m512 sc0, sc1;
+          if constexpr (FMT == 3) {
+            sc0 = _mm512_cvtepi32_ps(_mm512_load_si512(sc0s + g * 16));
+            sc1 = _mm512_cvtepi32_ps(_mm512_load_si512(sc1s + g * 16));
+          }
+#pragma GCC unroll 8
+          for (int r8 = 0; r8 < 8; ++r8) {
+            const int r = 8 * h + r8;
+            __m512 total;
+            if constexpr (FMT == 3) {
+              // sc0 * s0 + sc1 * s1 in floats: every product and the sum are integers below 2^24 (|s| <= 16 * 32 *
+              // 127, |sc| <= 128), so exact, the same value block16 takes in integers
+              total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(isum[gi][1] + r * 16)), sc1,
+                                      _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(isum[gi][0] + r * 16)), sc0));
+            } else {
+              total = _mm512_cvtepi32_ps(_mm512_load_si512(isum[gi][0] + r * 16));
+            }
+            a[r8] = _mm512_fmadd_ps(total, _mm512_mul_ps(dv, _mm512_set1_ps(st[r * G + g])), a[r8]);
+            if constexpr (FMT != 2 && FMT != 3) ma[r8] = _mm512_fmadd_ps(mv, _mm512_set1_ps(tt[r * G + g]), ma[r8]);
+          }
+        }
+        for (int r = 0; r < 8; ++r) _mm512_store_ps(acc[8 * h + r], a[r]), _mm512_store_ps(macc[8 * h + r], ma[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      _mm512_storeu_ps(y + (m0 + r) * N, _mm512_add_ps(_mm512_load_ps(acc[r]), _mm512_load_ps(macc[r])));
+  }
+}
+#endif
 #endif
 #else
 // Plain C, for CPUs without AVX2/F16C/FMA: the same layout, one output at a time.
@@ -446,7 +632,39 @@ std::vector<int32_t> half_sums(const int8_t* px, int64_t M, int64_t G) {
 void run_blocks(const Blocks& W, const int8_t* px, const float* psx, const float* pxs, const int32_t* hs, int64_t M,
                 int64_t K, int64_t b0, int64_t bend, float* y, int64_t ldy) {
   const int64_t G = W.G;
-  for (int64_t m0 = 0; m0 < M; m0 += MT) {
+  int64_t m0 = 0;
+#if defined(RAGSPEC_AMX)
+  // full tiles of 16 rows on AMX, two blocks at a time (an odd last block in tiles of 8 rows); from 32 rows (16 for
+  // s8, which has no min term), where it pays for unpacking the weights to bytes (measured on a Sapphire Rapids)
+  if (M >= (W.fmt == 2 ? 16 : 32) && bend - b0 >= 2 && amx_on()) {
+    const int64_t M16 = M / 16 * 16;
+    amx_configure(W.fmt == 3);
+    for (int64_t b = b0; b < bend;) {
+      const uint8_t* wb = W.w + b * W.wblock;
+      const uint8_t* hb = W.wh ? W.wh + b * W.hblock : nullptr;
+      const uint16_t* db = W.d + b * W.dblock;
+      const uint8_t* mb = W.mn ? W.mn + b * W.mblock : nullptr;
+      float* y0 = y + 8 * (b - b0);
+      const bool pair = b + 1 < bend;
+      switch (W.fmt * 2 + pair) {
+#define RAGSPEC_AMX_CASE(F) \
+  case F * 2 + 1: \
+    amx_pair<F>(M16, G, px, psx, pxs, hs, K, wb, hb, db, mb, y0, ldy, W.wblock, W.hblock, W.dblock, W.mblock); break; \
+  case F * 2: \
+    for (int64_t r0 = 0; r0 < M16; r0 += 8) \
+      block<F, 8>(G, px + r0 * K, psx + r0 * G, pxs + r0 * G, hs ? hs + r0 * G * 2 : nullptr, K, wb, hb, db, mb, \
+                  y0 + r0 * ldy, ldy); \
+    break;
+        RAGSPEC_AMX_CASE(0) RAGSPEC_AMX_CASE(1) RAGSPEC_AMX_CASE(2) RAGSPEC_AMX_CASE(3) RAGSPEC_AMX_CASE(4)
+#undef RAGSPEC_AMX_CASE
+      }
+      b += pair ? 2 : 1;
+    }
+    _tile_release();
+    m0 = M16;
+  }
+#endif
+  for (; m0 < M; m0 += MT) {
     const int rows = static_cast<int>(std::min<int64_t>(MT, M - m0));
     for (int64_t b = b0; b < bend;) {
       const uint8_t* wb = W.w + b * W.wblock;
@@ -645,6 +863,18 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
   return y;
 }
 
+// The AMX path: mode 0 off, 1 on (where the CPU, the build and the kernel allow it), -1 unchanged; returns
+// whether it is on. Both paths give the same bits; tests and benchmarks compare them in one process.
+int64_t amx_op(int64_t mode) {
+#if defined(RAGSPEC_AMX)
+  if (mode >= 0) amx_mode.store(mode == 1 && amx_permitted() ? 1 : 0);
+  return amx_on() ? 1 : 0;
+#else
+  (void)mode;
+  return 0;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ragspec_gguf, m) {
@@ -655,6 +885,7 @@ TORCH_LIBRARY(ragspec_gguf, m) {
         "Tensor umn, int ufmt, Tensor dw, Tensor dwh, Tensor dd, Tensor dmn, int dfmt, int inter, int out) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor g, Tensor u) -> Tensor");
+  m.def("amx(int mode) -> int");
 }
 
 TORCH_LIBRARY_IMPL(ragspec_gguf, CPU, m) {
@@ -664,4 +895,8 @@ TORCH_LIBRARY_IMPL(ragspec_gguf, CPU, m) {
   m.impl("mlp", &mlp);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul_op);
+}
+
+TORCH_LIBRARY_IMPL(ragspec_gguf, CatchAll, m) {
+  m.impl("amx", &amx_op);
 }
