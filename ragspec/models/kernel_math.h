@@ -1,7 +1,7 @@
 // Shared arithmetic of ragspec's C++ CPU kernels (gguf_kernel.cpp's SiLU, attention_kernel.cpp's softmax).
 //
 // exp: Cephes' expf, x = n·ln2 + r with |r| <= ln2/2, a degree-7 polynomial of r (relative error ~1e-7); one
-// scalar and one 8-lane version of the same operations, so a value's bits never depend on where in a row it
+// scalar, an 8-lane and a 16-lane version of the same operations, so a value's bits never depend on where in a row it
 // falls. The callers bound x first (SiLU clamps it to float's range, softmax zeroes what lies below EXP_MIN).
 #pragma once
 
@@ -40,6 +40,19 @@ inline __m256 exp_in_range8(__m256 x) {
   p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+#if defined(__AVX512F__)
+inline __m512 exp_in_range16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(LN2_HI))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(LN2_LO)));
+  __m512 p = _mm512_set1_ps(EXP_C[0]);
+  for (int c = 1; c < 6; ++c) p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(EXP_C[c]));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 #endif
 
