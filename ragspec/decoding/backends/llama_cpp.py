@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ragspec.cpu_flags import flags_hash
+from ragspec.cpu_flags import cpu_flags, flags_hash
 from ragspec.decoding.backends.accept import accept_sampled, new_generator, walk_greedy
 from ragspec.decoding.backends.base import StepResult, check_cancel
 from ragspec.decoding.sampling import SamplingSettings
@@ -44,6 +44,11 @@ UBATCH = 32
 
 
 _AVAILABLE: list = []
+
+
+def amx_cpu() -> bool:
+    """Whether this CPU has AMX's int8 tiles, where ggml would put the weights in its AMX buffer."""
+    return "amx_int8" in cpu_flags()
 
 
 def available() -> str | None:
@@ -87,6 +92,11 @@ class LlamaCppModel:
         _quiet(lc)
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
+        if amx_cpu():
+            # ggml's AMX weight buffer (one of the "extra" buffer types) segfaults at the first decode on the
+            # Sapphire Rapids this was tried on, as reported upstream (ggml-org/llama.cpp#20824); without the extra
+            # buffer types the same build decodes on its AVX-512 kernels
+            mp.use_extra_bufts = False
         self.model = lc.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self.model:
             raise RagspecError(f"llama.cpp cannot load {self.path}")
