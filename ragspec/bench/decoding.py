@@ -16,6 +16,7 @@ import time
 import tracemalloc
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -166,14 +167,25 @@ def llama_generate(model, prompt: list[int], max_new: int, eos: list[int], looku
         return toks, (time.perf_counter() - t) * 1000
     peer = getattr(model, "_pld_peer", None)
     if peer is None:
+        import llama_cpp
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+        from ragspec.decoding.backends.llama_cpp import model_params
+
         # logits_all: with a draft model llama-cpp-python 0.3.36 keeps every row's logits but sizes its buffer by
         # this flag (n_batch rows otherwise: a prompt over one batch overflows it)
-        peer = model._pld_peer = Llama(str(model.path), n_ctx=model.n_ctx, n_batch=model.n_batch, logits_all=True,
-                                       n_threads=model.n_threads, n_threads_batch=model.n_threads, verbose=False,
-                                       draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup))
+        # its Llama class reads llama.cpp's defaults itself: give it ours (no AMX weight buffer, model_params)
+        low = llama_cpp.llama_cpp
+        defaults = low.llama_model_default_params
+        low.llama_model_default_params = lambda: model_params(SimpleNamespace(
+            llama_model_default_params=defaults, llama_print_system_info=low.llama_print_system_info))
+        try:
+            peer = model._pld_peer = Llama(str(model.path), n_ctx=model.n_ctx, n_batch=model.n_batch, logits_all=True,
+                                           n_threads=model.n_threads, n_threads_batch=model.n_threads, verbose=False,
+                                           draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup))
+        finally:
+            low.llama_model_default_params = defaults
     out = []
     t = time.perf_counter()
     for tok in peer.generate(prompt, top_k=1, temp=0.0, reset=True):

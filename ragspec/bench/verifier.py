@@ -9,7 +9,8 @@ context and alternates single steps (t(1), then t(16)) N times, a pause between 
 spin on the other's cores: on a machine whose speed moves by the minute, the per-pair ratio is the steadiest
 figure. `--kernel` instead runs every linear of the 0.5B's shapes (random
 blocks, 24 layers as a step does; `--head` adds the 151,936-row head) through `ragspec_gguf::qmatmul` for each
-row count and prints ms and GOP/s.
+row count and prints ms and GOP/s. `--amx N` (CPUs with AMX) runs dtype gguf with the kernel's AMX tiles off and on
+in turn, prefills and steps, and prints the per-pair ratio and whether the logits were the same bits.
 """
 
 from __future__ import annotations
@@ -81,6 +82,73 @@ def interleaved(model: str, steps: int, sizes=(1, 16), context: int = 1024, paus
         llama.close()
 
 
+def amx_pairs(model: str, rounds: int, prompts=(353, 1024), sizes=(1, 16, 64), steps: int = 20) -> None:
+    """dtype gguf with the kernel's AMX tiles off and on, runs alternated in one process (the same build, the same
+    bits): prefill of each prompt length in the backend's 512-token chunks, then single steps of each size over a
+    1,024-token context. One JSON line per measurement: the medians, the per-pair ratio on ÷ off, and whether the
+    logits were identical."""
+    import numpy as np
+    import torch
+    from transformers import DynamicCache
+
+    from ragspec.decoding.backends.base import chunks
+    from ragspec.decoding.backends.growing_cache import growing
+    from ragspec.decoding.backends.transformers import cache_arg
+    from ragspec.models.generator import load_generator
+    from ragspec.models.gguf_kernel import load_kernels
+
+    ops = load_kernels()
+    if not ops.amx(-1):
+        print(json.dumps({"amx": "not on this CPU or build"}))
+        return
+    hf, _ = load_generator(model, "cpu", "gguf")
+    rng = np.random.default_rng(0)
+
+    def forward(ids, start, cache, keep=None):
+        kw = {"logits_to_keep": keep} if keep else {}
+        return hf(input_ids=torch.tensor([ids]), position_ids=torch.arange(start, start + len(ids))[None],
+                  **cache_arg(hf, cache), use_cache=True, **kw).logits
+
+    def prefill(ids):
+        cache = growing(DynamicCache(config=hf.config))
+        logits = [forward(ids[a:b], a, cache, keep=1) for a, b in chunks(0, len(ids))]
+        return cache, logits[-1]
+
+    def pairs(label, run, n):
+        ms, out = {0: [], 1: []}, {}
+        for _ in range(n):
+            for mode in (0, 1):
+                ops.amx(mode)
+                t = time.perf_counter()
+                out[mode] = run()
+                ms[mode].append((time.perf_counter() - t) * 1000)
+        off, on = np.array(ms[0]), np.array(ms[1])
+        print(json.dumps({**label, "off_ms": round(float(np.median(off)), 2), "amx_ms": round(float(np.median(on)), 2),
+                          "ratio": round(float(np.median(on / off)), 3), "same_logits": bool(torch.equal(out[0], out[1]))}),
+              flush=True)
+
+    try:
+        with torch.inference_mode():
+            for n in prompts:
+                ids = rng.integers(100, 30000, n).tolist()
+                pairs({"prefill_tokens": n}, lambda ids=ids: prefill(ids)[1], rounds)
+            context = 1024
+            cache, _ = prefill(rng.integers(100, 30000, context).tolist())
+            for n in sizes:
+                toks = rng.integers(100, 30000, n).tolist()
+
+                def step(toks=toks):
+                    logits = forward(toks, context, cache)
+                    for layer in cache.layers:  # back to the context only
+                        layer.keys, layer.values = layer.keys[:, :, :context], layer.values[:, :, :context]
+                    return logits
+
+                step()
+                pairs({"n": n}, step, steps)
+    finally:
+        ops.amx(1)
+
+
 def kernel(rows: list[int], head: bool, reps: int = 5) -> None:
     import torch
 
@@ -125,12 +193,16 @@ def main(argv=None) -> None:
     p.add_argument("--head", action="store_true", help="with --kernel: the 0.5B's lm_head too")
     p.add_argument("--interleave", type=int, default=0, metavar="N",
                    help="both candidates loaded at once, N single steps of each in turn (t(1), t(16))")
+    p.add_argument("--amx", type=int, default=0, metavar="N",
+                   help="dtype gguf with the AMX tiles off and on, N prefills of each in turn (then steps)")
     args = p.parse_args(argv)
     flags = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))))
     print(json.dumps({"utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                       "model": args.model, "flags": flags}), flush=True)
     if args.kernel:
         kernel([int(r) for r in args.rows.split(",")], args.head)
+    elif args.amx:
+        amx_pairs(args.model, args.amx)
     elif args.interleave:
         interleaved(args.model, args.interleave)
     else:

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ragspec.cpu_flags import cpu_flags, flags_hash
+from ragspec.cpu_flags import flags_hash
 from ragspec.decoding.backends.accept import accept_sampled, new_generator, walk_greedy
 from ragspec.decoding.backends.base import StepResult, check_cancel
 from ragspec.decoding.sampling import SamplingSettings
@@ -46,9 +46,15 @@ UBATCH = 32
 _AVAILABLE: list = []
 
 
-def amx_cpu() -> bool:
-    """Whether this CPU has AMX's int8 tiles, where ggml would put the weights in its AMX buffer."""
-    return "amx_int8" in cpu_flags()
+def model_params(lc):
+    """llama.cpp's default model parameters, less the extra buffer types where the build has ggml's AMX kernels:
+    their weight buffer (one of those types) segfaulted at the first decode on the Sapphire Rapids-class Xeon this
+    was tried on, as reported upstream (ggml-org/llama.cpp#20824). `make install` builds without them; this guards
+    an older build (it then runs without its repacked weights too, slower)."""
+    mp = lc.llama_model_default_params()
+    if b"AMX_INT8 = 1" in lc.llama_print_system_info():
+        mp.use_extra_bufts = False
+    return mp
 
 
 def available() -> str | None:
@@ -91,12 +97,7 @@ class LlamaCppModel:
         self.n_threads = n_threads or len(os.sched_getaffinity(0))
         _quiet(lc)
         lc.llama_backend_init()
-        mp = lc.llama_model_default_params()
-        if amx_cpu():
-            # ggml's AMX weight buffer (one of the "extra" buffer types) segfaults at the first decode on the
-            # Sapphire Rapids this was tried on, as reported upstream (ggml-org/llama.cpp#20824); without the extra
-            # buffer types the same build decodes on its AVX-512 kernels
-            mp.use_extra_bufts = False
+        mp = model_params(lc)
         self.model = lc.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self.model:
             raise RagspecError(f"llama.cpp cannot load {self.path}")
