@@ -227,6 +227,48 @@ inline __m512i pair_bytes(const uint8_t* p, int64_t stride) {
   return SIGNED ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
 }
 
+// Group g's scales for blocks b and b + 1 (16 lanes): dv (D*sc for the K-quants), mv (the min term; 0 for s8 and
+// u6) and u6's int8 sub-scales sc0, sc1 of its two half groups. Exact: fp16 values, and products of 11 by 6 bits.
+template <int FMT>
+inline void pair_scales(int64_t g, const uint16_t* d, const uint8_t* mn, int64_t dstep, int64_t mstep, __m512& dv,
+                        __m512& mv, __m512i& sc0, __m512i& sc1) {
+  mv = _mm512_setzero_ps();
+  if constexpr (FMT <= 2) {
+    dv = pair_half(d + g * 8, dstep);
+    if constexpr (FMT != 2) mv = pair_half(reinterpret_cast<const uint16_t*>(mn) + g * 8, mstep / 2);
+  } else if constexpr (FMT == 4) {
+    const uint16_t* dd = d + (g / 8) * 16;
+    dv = _mm512_mul_ps(pair_half(dd, dstep), _mm512_cvtepi32_ps(pair_bytes<false>(mn + g * 16, mstep)));
+    mv = _mm512_sub_ps(_mm512_setzero_ps(),
+                       _mm512_mul_ps(pair_half(dd + 8, dstep), _mm512_cvtepi32_ps(pair_bytes<false>(mn + g * 16 + 8, mstep))));
+  } else {
+    dv = pair_half(d + (g / 8) * 8, dstep);
+    sc0 = pair_bytes<true>(mn + g * 16, mstep);
+    sc1 = pair_bytes<true>(mn + g * 16 + 8, mstep);
+  }
+}
+
+// Chunk c (4 inputs) of group g of blocks b and b + 1 as unsigned weight bytes q (u4, u5, u6, u4k; not s8), byte
+// 4j + t of each half the input t of output j, as vpdpbusd and the AMX tiles read them.
+template <int FMT>
+inline __m512i pair_bytes_of(int64_t g, int c, const uint8_t* w, const uint8_t* wh, int64_t wstep, int64_t hstep) {
+  const __m512i b = pair256(w + g * 128 + 32 * (c % 4), wstep);
+  __m512i u = _mm512_and_si512(c < 4 ? b : _mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x0F));
+  if constexpr (FMT == 1) {
+    const uint64_t bits = *reinterpret_cast<const uint32_t*>(wh + g * 32 + 4 * c) |
+                          static_cast<uint64_t>(*reinterpret_cast<const uint32_t*>(wh + hstep + g * 32 + 4 * c)) << 32;
+    u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10)));
+  }
+  if constexpr (FMT == 3) {
+    const __m512i hv = pair256(wh + g * 64 + 32 * (c / 4), hstep);
+    const int k = c % 4;
+    const __m512i t = k == 0 ? _mm512_slli_epi16(hv, 4) : k == 1 ? _mm512_slli_epi16(hv, 2)
+                      : k == 2 ? hv : _mm512_srli_epi16(hv, 2);
+    u = _mm512_or_si512(u, _mm512_and_si512(t, _mm512_set1_epi8(0x30)));
+  }
+  return u;
+}
+
 // y[r][8b .. 8b+16) for R rows of blocks b and b + 1; wstep, hstep, dstep, mstep: from one block's weights, high
 // bits, scales (in uint16) and second scales (in bytes) to the next block's.
 template <int FMT, int R>
@@ -236,21 +278,9 @@ void block16(int64_t G, const int8_t* xq, const float* sx, const float* xs, cons
   __m512 acc[R], macc[R];
   for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512 dv, mv = _mm512_setzero_ps();
+    __m512 dv, mv;
     __m512i sc0, sc1;
-    if constexpr (FMT <= 2) {
-      dv = pair_half(d + g * 8, dstep);
-      if constexpr (FMT != 2) mv = pair_half(reinterpret_cast<const uint16_t*>(mn) + g * 8, mstep / 2);
-    } else if constexpr (FMT == 4) {
-      const uint16_t* dd = d + (g / 8) * 16;
-      dv = _mm512_mul_ps(pair_half(dd, dstep), _mm512_cvtepi32_ps(pair_bytes<false>(mn + g * 16, mstep)));
-      mv = _mm512_sub_ps(_mm512_setzero_ps(),
-                         _mm512_mul_ps(pair_half(dd + 8, dstep), _mm512_cvtepi32_ps(pair_bytes<false>(mn + g * 16 + 8, mstep))));
-    } else {
-      dv = pair_half(d + (g / 8) * 8, dstep);
-      sc0 = pair_bytes<true>(mn + g * 16, mstep);
-      sc1 = pair_bytes<true>(mn + g * 16 + 8, mstep);
-    }
+    pair_scales<FMT>(g, d, mn, dstep, mstep, dv, mv, sc0, sc1);
     constexpr int A = (R <= 2 || FMT == 3) ? 2 : 1;
     __m512i isum[A][R];
     for (int a = 0; a < A; ++a)
@@ -265,20 +295,7 @@ void block16(int64_t G, const int8_t* xq, const float* sx, const float* xs, cons
         u = _mm512_abs_epi8(sg);  // |w| as unsigned bytes; the sign moves onto x
         neg = _mm512_movepi8_mask(sg);
       } else {
-        const __m512i b = pair256(w + g * 128 + 32 * (c % 4), wstep);
-        u = _mm512_and_si512(c < 4 ? b : _mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x0F));
-        if constexpr (FMT == 1) {
-          const uint64_t bits = *reinterpret_cast<const uint32_t*>(wh + g * 32 + 4 * c) |
-                                static_cast<uint64_t>(*reinterpret_cast<const uint32_t*>(wh + hstep + g * 32 + 4 * c)) << 32;
-          u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10)));
-        }
-        if constexpr (FMT == 3) {
-          const __m512i hv = pair256(wh + g * 64 + 32 * (c / 4), hstep);
-          const int k = c % 4;
-          const __m512i t = k == 0 ? _mm512_slli_epi16(hv, 4) : k == 1 ? _mm512_slli_epi16(hv, 2)
-                            : k == 2 ? hv : _mm512_srli_epi16(hv, 2);
-          u = _mm512_or_si512(u, _mm512_and_si512(t, _mm512_set1_epi8(0x30)));
-        }
+        u = pair_bytes_of<FMT>(g, c, w, wh, wstep, hstep);
       }
       const int a = FMT == 3 ? c / 4 : c % A;
 #pragma GCC unroll 8
@@ -378,42 +395,22 @@ void amx_pair(int64_t M, int64_t G, const int8_t* xq, const float* sx, const flo
   int32_t* sc0s = reinterpret_cast<int32_t*>(mvs + G * 16);
   int32_t* sc1s = sc0s + G * 16;
   for (int64_t g = 0; g < G; ++g) {
-    __m512 dv, mv = _mm512_setzero_ps();
-    if constexpr (FMT <= 2) {
-      dv = pair_half(d + g * 8, dstep);
-      if constexpr (FMT != 2) mv = pair_half(reinterpret_cast<const uint16_t*>(mn) + g * 8, mstep / 2);
-    } else if constexpr (FMT == 4) {
-      const uint16_t* dd = d + (g / 8) * 16;
-      dv = _mm512_mul_ps(pair_half(dd, dstep), _mm512_cvtepi32_ps(pair_bytes<false>(mn + g * 16, mstep)));
-      mv = _mm512_sub_ps(_mm512_setzero_ps(),
-                         _mm512_mul_ps(pair_half(dd + 8, dstep), _mm512_cvtepi32_ps(pair_bytes<false>(mn + g * 16 + 8, mstep))));
-    } else {
-      dv = pair_half(d + (g / 8) * 8, dstep);
-      _mm512_store_si512(sc0s + g * 16, pair_bytes<true>(mn + g * 16, mstep));
-      _mm512_store_si512(sc1s + g * 16, pair_bytes<true>(mn + g * 16 + 8, mstep));
-    }
+    __m512 dv, mv;
+    __m512i sc0, sc1;
+    pair_scales<FMT>(g, d, mn, dstep, mstep, dv, mv, sc0, sc1);
     _mm512_store_ps(dvs + g * 16, dv);
     _mm512_store_ps(mvs + g * 16, mv);
+    if constexpr (FMT == 3) {
+      _mm512_store_si512(sc0s + g * 16, sc0);
+      _mm512_store_si512(sc1s + g * 16, sc1);
+    }
     for (int c = 0; c < 8; ++c) {
       __m512i u;
       if constexpr (FMT == 2) {
         u = pair256(w + g * 256 + 32 * c, wstep);  // signed weights as they are (tdpbssd)
       } else {
-        const __m512i bv = pair256(w + g * 128 + 32 * (c % 4), wstep);
-        u = _mm512_and_si512(c < 4 ? bv : _mm512_srli_epi16(bv, 4), _mm512_set1_epi8(0x0F));
-        if constexpr (FMT == 1) {
-          const uint64_t bits = *reinterpret_cast<const uint32_t*>(wh + g * 32 + 4 * c) |
-                                static_cast<uint64_t>(*reinterpret_cast<const uint32_t*>(wh + hstep + g * 32 + 4 * c)) << 32;
-          u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10)));
-        }
-        if constexpr (FMT == 3) {
-          const __m512i hv = pair256(wh + g * 64 + 32 * (c / 4), hstep);
-          const int k = c % 4;
-          const __m512i t = k == 0 ? _mm512_slli_epi16(hv, 4) : k == 1 ? _mm512_slli_epi16(hv, 2)
-                            : k == 2 ? hv : _mm512_srli_epi16(hv, 2);
-          u = _mm512_or_si512(u, _mm512_and_si512(t, _mm512_set1_epi8(0x30)));
-          u = _mm512_sub_epi8(u, _mm512_set1_epi8(32));  // q - 32 as signed bytes (tdpbssd)
-        }
+        u = pair_bytes_of<FMT>(g, c, w, wh, wstep, hstep);
+        if constexpr (FMT == 3) u = _mm512_sub_epi8(u, _mm512_set1_epi8(32));  // q - 32 as signed bytes (tdpbssd)
       }
       _mm512_store_si512(wb + g * 512 + 64 * c, u);
     }
