@@ -2,7 +2,17 @@
 
 __version__ = "0.1.0"
 
+import os as _os
+
+from ragspec.cpu_flags import cpu_flags as _cpu_flags
 from ragspec.errors import RagspecError
+
+# oneDNN's AMX matmul kernels change a row's bits with the number of rows beside it (a bf16 linear on an Intel Xeon
+# with AMX: 6 of 40 rows differed alone and batched), which would break greedy identity for `dtype: bfloat16`;
+# its AVX-512 BF16 kernels do not. So unless the user chose, oneDNN stops short of AMX (read at its first use, so
+# set before torch runs anything). ragspec's own GGUF kernel drives the AMX tiles itself, rows independent.
+if "amx_bf16" in _cpu_flags() and "ONEDNN_MAX_CPU_ISA" not in _os.environ:
+    _os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"
 
 __all__ = ["Answer", "Pipeline", "RagspecError", "__version__"]
 

@@ -11,6 +11,7 @@ so the identities hold and are checked regardless. A test is skipped only where 
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -106,6 +107,25 @@ def test_bf16_packed_linear_rows_are_independent():
     with torch.inference_mode():
         assert (packed(x).float() - lin(x).float()).abs().max() < 0.1
     assert rows_alone_equal_batched(packed, x)
+
+
+def test_onednn_stops_short_of_amx_unless_the_user_chose():
+    """On a CPU with AMX, importing ragspec caps oneDNN at AVX-512 BF16 (its AMX kernels change a row's bits with
+    the batch: the two tests above fail there without it); a value the user set is kept."""
+    import subprocess
+    import sys
+
+    from ragspec.cpu_flags import cpu_flags
+
+    if "amx_bf16" not in cpu_flags():
+        pytest.skip("no AMX on this CPU: oneDNN is left as it is")
+    code = "import os, ragspec; print(os.environ.get('ONEDNN_MAX_CPU_ISA'))"
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "AVX512_CORE_BF16"
+    env["ONEDNN_MAX_CPU_ISA"] = "DEFAULT"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "DEFAULT"
 
 
 # -- whole models ----------------------------------------------------------------------------------------------
