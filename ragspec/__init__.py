@@ -11,8 +11,8 @@ from ragspec.errors import RagspecError
 # with AMX: 6 of 40 rows differed alone and batched), which would break greedy identity for `dtype: bfloat16`;
 # its AVX-512 BF16 kernels do not. So unless the user chose, oneDNN stops short of AMX (read at its first use, so
 # set before torch runs anything). ragspec's own GGUF kernel drives the AMX tiles itself, rows independent.
-if "amx_bf16" in _cpu_flags() and "ONEDNN_MAX_CPU_ISA" not in _os.environ:
-    _os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"
+if "amx_bf16" in _cpu_flags():
+    _os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 __all__ = ["Answer", "Pipeline", "RagspecError", "__version__"]
 
