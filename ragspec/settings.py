@@ -203,6 +203,9 @@ class GeneratorSettings(Strict):
         "deviation", description="source cache: which piece tokens the blend fraction recomputes. deviation: those "
         "whose layer-1 KV deviates most from full prefill (CacheBlend); attention: those the question attends to "
         "most over the assembled cache, every layer (ProphetKV / A3; costs a forward of the prompt's tail)")
+    source_cache_temperature: float = Field(
+        1.0, gt=0.0, le=2.0, description="source cache: the reused piece tokens' keys divided by this, so that what "
+        "reads them sees sharper (below 1) attention logits over them (APE's temperature; transformers backend)")
     source_cache_memory_mb: int = Field(512, ge=0, description="source cache: memory bound (least recently used go)")
     source_cache_disk_mb: int = Field(
         2048, ge=0, description="source cache: disk bound under $RAGSPEC_HOME/kv (0: memory only)")

@@ -435,3 +435,21 @@ def test_blend_recomputes_the_chosen_fraction(smol, select):
     plain = SourcePlan(store, b.head, b.pieces, recompute=0)
     _, far = source_kv.assemble(model, b.ids, plain)
     assert (mid - ref).abs().max() < (far - ref).abs().max()  # closer to full prefill than no blending
+
+
+def test_temperature_divides_only_the_reused_piece_keys(smol):
+    """APE's temperature: the reused piece tokens' keys are those of temperature 1 divided by T (every later
+    query's logits over them divided by T); the head's keys and all values stay as they were."""
+    model, tok = smol
+    b = built_prompt(tok)
+    store = SourceKVStore()
+    plain, _ = source_kv.assemble(model, b.ids, SourcePlan(store, b.head, b.pieces, recompute=4))
+    hot, _ = source_kv.assemble(model, b.ids, SourcePlan(store, b.head, b.pieces, recompute=4, temperature=0.8))
+    reused = torch.zeros(len(b.ids), dtype=torch.bool)
+    for a, e in b.pieces:
+        reused[a + 4:min(e, len(b.ids) - 1)] = True
+    layer = 3
+    k0, k1 = plain.layers[layer].keys[0], hot.layers[layer].keys[0]
+    assert torch.allclose(k1[:, reused], k0[:, reused] / 0.8, atol=1e-5)
+    assert torch.equal(k1[:, : b.head], k0[:, : b.head])
+    assert torch.equal(hot.layers[0].values[0][:, : b.head], plain.layers[0].values[0][:, : b.head])

@@ -198,6 +198,9 @@ def eval_answers(
                                                 "fraction of cached piece tokens recomputed, the most deviating"),
     cache_select: str | None = typer.Option(None, "--cache-select", help="override generator.source_cache_select "
                                                "(deviation | attention): which piece tokens --cache-blend recomputes"),
+    cache_temperature: float | None = typer.Option(None, "--cache-temperature", help="override generator."
+                                                      "source_cache_temperature: reused piece keys divided by it "
+                                                      "(APE)"),
     skip: int = typer.Option(0, "--skip", help="leave out the first N records (clapnq folder: N of each file), "
                                                "to keep tuning and report records apart"),
     numbers: str | None = typer.Option(None, "--records", help="only these records, numbered from 1 in the order "
@@ -234,6 +237,8 @@ def eval_answers(
             raise RagspecError(f"--cache-blend must be a fraction from 0 to 1, not {cache_blend}")
         if cache_select is not None and cache_select not in ("deviation", "attention"):
             raise RagspecError(f"--cache-select must be deviation or attention, not '{cache_select}'")
+        if cache_temperature is not None and not 0 < cache_temperature <= 2:
+            raise RagspecError(f"--cache-temperature must be above 0 and at most 2, not {cache_temperature}")
         from ragspec.settings import parse_source_tokens
 
         try:
@@ -277,6 +282,8 @@ def eval_answers(
             d["generator"]["source_cache_blend"] = cache_blend
         if cache_select is not None:
             d["generator"]["source_cache_select"] = cache_select
+        if cache_temperature is not None:
+            d["generator"]["source_cache_temperature"] = cache_temperature
         pipe = Pipeline(load_spec(d), str(retrieve) if retrieve else None)
         with console.status("loading the model…"):
             if retrieve is not None:
@@ -291,6 +298,7 @@ def eval_answers(
                 "source_cache_recompute": pipe.spec.generator.source_cache_recompute,
                 "source_cache_blend": pipe.spec.generator.source_cache_blend,
                 "source_cache_select": pipe.spec.generator.source_cache_select,
+                "source_cache_temperature": pipe.spec.generator.source_cache_temperature,
                 "drafting": pipe.spec.drafting.method, "max_new_tokens": pipe.spec.generator.max_new_tokens,
                 "sources": "retrieved from " + str(retrieve) if retrieve else "the record's own passages"}
         rows = []

@@ -48,6 +48,7 @@ class SourcePlan:
     recompute: int = 4  # first tokens of each piece computed in full over the assembled context
     blend: float = 0.0  # and this fraction of the other piece tokens, chosen by `select`:
     select: str = "deviation"  # whose layer-1 KV deviates most (CacheBlend), or "attention": the question's most read
+    temperature: float = 1.0  # cached piece keys divided by this: what reads them sees logits sharpened (APE)
     # filled by the backend, prompt tokens by where their KV came from: an entry already in the store (reused),
     # an entry this ask computed into the store first (stored: a cold ask), computed in full in place (computed)
     reused: int = 0

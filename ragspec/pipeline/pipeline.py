@@ -405,7 +405,7 @@ class Pipeline:
 
         g = self.spec.generator
         return SourcePlan(self.source_store, built.head, list(built.pieces), g.source_cache_recompute,
-                          g.source_cache_blend, g.source_cache_select)
+                          g.source_cache_blend, g.source_cache_select, g.source_cache_temperature)
 
     def fill_source_cache(self, texts: list[str] | None = None, on_progress=None, cancel=None) -> int:
         """Compute the source cache's entries ahead of asks: each text (default: every chunk of the index) as a

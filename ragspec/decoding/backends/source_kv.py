@@ -322,6 +322,11 @@ def assemble(model, prompt_ids: list[int], plan: SourcePlan, cancel=None, on_pro
             plan.blended += len(moved)
             plan.reused -= sum(1 for p in moved if p not in stored_at)
             plan.stored -= sum(1 for p in moved if p in stored_at)
+    if plan.temperature != 1.0 and assembled.shape[3] > len(head):
+        # APE's attention temperature: every later query's logits over the reused piece tokens divided by T
+        # (keys scaled, RoPE being linear); the head and the recomputed tokens keep theirs
+        assembled = assembled.clone()
+        assembled[:, 0, :, len(head):] /= plan.temperature
     plan.computed += len(computed_pos)
     cache = _new_cache(model)
     append(cache, assembled)
