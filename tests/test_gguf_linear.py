@@ -34,21 +34,25 @@ SMOL = "smollm2-135m-instruct"
 QWEN = "qwen2.5-coder-0.5b-instruct"
 
 
-def quantized_input(x: torch.Tensor) -> torch.Tensor:
-    """The activations as the kernel sees them: int8 per row and group of 32, de-quantized."""
-    g = x.reshape(x.shape[0], -1, GROUP)
+def quantized_input(x: torch.Tensor, span: int = GROUP) -> torch.Tensor:
+    """The activations as the kernel sees them: int8 per row and group of 32 (256 for u4k8), de-quantized."""
+    g = x.reshape(x.shape[0], -1, span)
     amax = g.abs().amax(-1, keepdim=True)
     q = torch.where(amax > 0, torch.round(g * (127.0 / amax)), torch.zeros_like(g)).clamp(-127, 127)
     return (q * (amax / 127.0)).reshape(x.shape)
 
 
-FMTS = ["u4", "u5", "s8", "u6", "u4k"]
+PACKED = ["u4", "u5", "s8", "u6", "u4k"]
+FMTS = PACKED + ["u4k8"]  # u4k8: u4k's weights, one activation scale per 256 inputs (llama.cpp's Q8_K rule)
 TOP = {"u4": 16, "u5": 32, "u6": 64, "u4k": 16}
+SUPER = ("u6", "u4k", "u4k8")  # K-quants: super-blocks of 256 inputs
 
 
 def random_linear(fmt: str, rows: int, cols: int, seed: int = 0, bias: bool = False) -> GGUFLinear:
     rng = np.random.default_rng(seed)
     g = cols // GROUP
+    superblock = fmt == "u4k8"
+    fmt = "u4k" if superblock else fmt
     if fmt == "s8":
         q, d, m = requantize_s8((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32))
     elif fmt == "u4k":  # Q4_K: D, Dmin per 256 inputs, 6-bit scale and min per 32
@@ -64,10 +68,10 @@ def random_linear(fmt: str, rows: int, cols: int, seed: int = 0, bias: bool = Fa
         d = (rng.random((rows, g)) * 0.01).astype(np.float32)
         m = (-rng.random((rows, g)) * 0.05).astype(np.float32)
     b = torch.randn(rows) if bias else None
-    return GGUFLinear(fmt, q, d, m, b, prompt_copy=False)
+    return GGUFLinear(fmt, q, d, m, b, prompt_copy=False, superblock=superblock or None)  # None: as the env says
 
 
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", PACKED)
 def test_pack_round_trips(fmt):
     rng = np.random.default_rng(1)
     q = (rng.integers(-127, 128, (20, 64)).astype(np.int8) if fmt == "s8"
@@ -79,12 +83,12 @@ def test_pack_round_trips(fmt):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_kernel_equals_dequantized_reference(fmt):
     """y = quantized x · Wᵀ within float rounding (the int8 activation error is in the reference too)."""
-    cols = 768 if fmt in ("u6", "u4k") else 640  # K-quants come in super-blocks of 256 inputs
+    cols = 768 if fmt in SUPER else 640  # K-quants come in super-blocks of 256 inputs
     lin = random_linear(fmt, 200, cols, bias=True)  # 200 outputs: not a multiple of the kernel's 8
     x = torch.randn(9, cols, generator=torch.Generator().manual_seed(0))  # the same input whatever ran before
     with torch.inference_mode():
         y = lin(x)
-        ref = quantized_input(x) @ lin.dequantize().t() + lin.bias
+        ref = quantized_input(x, 256 if fmt == "u4k8" else GROUP) @ lin.dequantize().t() + lin.bias
     assert y.shape == (9, 200)
     assert ((y - ref).abs().max() / ref.abs().max()) < 1e-5
     # and the activation quantization is what makes it differ from the float product: about 1 %
@@ -116,11 +120,11 @@ def test_amx_tiles_give_the_same_bits():
     ops = load_kernels()
     if not ops.amx(-1):
         pytest.skip("no AMX on this CPU (or not granted by the kernel)")
-    cases = [(random_linear(fmt, rows, 768 if fmt in ("u6", "u4k") else 640, seed=5), rows)
+    cases = [(random_linear(fmt, rows, 768 if fmt in SUPER else 640, seed=5), rows)
              for fmt in FMTS for rows in (200, 56, 8)]
-    gate, up = random_linear("u4k", 256, 256, seed=1), random_linear("u5", 256, 256, seed=2)
-    down = random_linear("u6", 48, 256, seed=3)
-    g, u, d = gate.kernel_args(), up.kernel_args(), down.kernel_args()
+    mlps = [[random_linear(f, n, k, seed=s) for f, n, k, s in parts]
+            for parts in ((("u4k", 256, 256, 1), ("u5", 256, 256, 2), ("u6", 48, 256, 3)),
+                          (("u4k8", 256, 256, 1), ("u4k8", 256, 256, 2), ("u4k", 48, 256, 3)))]
     try:
         with torch.inference_mode():
             for m in (15, 16, 17, 31, 32, 48, 100, 300):
@@ -131,10 +135,12 @@ def test_amx_tiles_give_the_same_bits():
                     ops.amx(0)
                     assert torch.equal(tiles, lin(x)), (lin.fmt, lin.out_features, m)
                 x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)) * 3
-                ops.amx(1)
-                tiles = ops.mlp(x, *g[:4], gate.code, *u[:4], up.code, *d[:4], down.code, 256, 48)
-                ops.amx(0)
-                assert torch.equal(tiles, ops.mlp(x, *g[:4], gate.code, *u[:4], up.code, *d[:4], down.code, 256, 48)), m
+                for gate, up, down in mlps:
+                    args = [a for lin in (gate, up, down) for a in (*lin.kernel_args()[:4], lin.code)]
+                    ops.amx(1)
+                    tiles = ops.mlp(x, *args, 256, 48)
+                    ops.amx(0)
+                    assert torch.equal(tiles, ops.mlp(x, *args, 256, 48)), (m, gate.code)
     finally:
         ops.amx(1)
 
@@ -255,14 +261,15 @@ def test_fused_mlp_and_norm(smol_gguf):
         assert torch.equal(mlp(x[5:6]), y[5:6]) and torch.equal(norm(x[:16].reshape(2, 8, -1)), n[:16].reshape(2, 8, -1))
 
 
-@pytest.mark.parametrize("gate_fmt, inter", [("u5", 96), ("u6", 256), ("u4k", 256), ("u4", 32)])
+@pytest.mark.parametrize("gate_fmt, inter", [("u5", 96), ("u6", 256), ("u4k", 256), ("u4", 32), ("u4k8", 256)])
 def test_fused_mlp_equals_its_parts(gate_fmt, inter):
     """The MLP kernel computes gate and up 32 outputs at a time and quantizes their product for down while it is
     in cache: bit for bit what gate, up, silu·mul and down give as separate calls, across its 64-row chunks."""
     from ragspec.models.gguf_kernel import load_kernels
 
     ops = load_kernels()
-    gate, up = random_linear(gate_fmt, inter, 256, seed=1), random_linear("u5", inter, 256, seed=2)
+    gate = random_linear(gate_fmt, inter, 256, seed=1)
+    up = random_linear("u4k8" if gate_fmt == "u4k8" else "u5", inter, 256, seed=2)  # one rule for x
     down = random_linear("u6" if inter % 256 == 0 else "u4", 48, inter, seed=3)
     x = torch.randn(150, 256, generator=torch.Generator().manual_seed(0)) * 3
     with torch.inference_mode():
@@ -351,3 +358,32 @@ def test_logits_follow_the_float_model(smol_gguf):
         a, b = model(torch.tensor([prompt])).logits[0], ref(torch.tensor([prompt])).logits[0]
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.97
+
+
+def test_q8k_rule_is_opt_in_and_kept_where_the_fused_mlp_can_run_it(monkeypatch):
+    """RAGSPEC_GGUF_Q8K=1 puts Q4_K linears (only) on the Q8_K activation rule; the fused MLP quantizes x once for
+    gate and up, so it keeps the rule only where both take it, and its down (input quantized a group at a time)
+    on the group rule."""
+    from ragspec.models.fused_layers import FusedMLP
+    from ragspec.models.gguf_linear import FORMATS, SUPERBLOCK
+
+    assert random_linear("u4k", 16, 256).code == FORMATS["u4k"]
+    monkeypatch.setenv("RAGSPEC_GGUF_Q8K", "1")
+    assert random_linear("u4k", 16, 256).code == SUPERBLOCK
+    assert random_linear("u5", 16, 256).code == FORMATS["u5"]
+
+    def mlp(gate, up, down):
+        m = torch.nn.Module()
+        m.gate_proj, m.up_proj, m.down_proj = (random_linear(f, n, k, seed=s) for f, n, k, s in
+                                               ((gate, 256, 256, 1), (up, 256, 256, 2), (down, 48, 256, 3)))
+        m.act_fn = torch.nn.functional.silu
+        return FusedMLP(m)
+
+    both = mlp("u4k", "u4k", "u4k")
+    assert (both.gate_proj.code, both.up_proj.code, both.down_proj.code) == (SUPERBLOCK, SUPERBLOCK, FORMATS["u4k"])
+    mixed = mlp("u4k", "u5", "u6")
+    assert (mixed.gate_proj.code, mixed.up_proj.code) == (FORMATS["u4k"], FORMATS["u5"])
+    x = torch.randn(5, 256)
+    with torch.inference_mode():
+        ref = both.down_proj(torch.nn.functional.silu(both.gate_proj(x)) * both.up_proj(x))
+        assert ((both(x) - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 1e-3

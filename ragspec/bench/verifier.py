@@ -10,7 +10,9 @@ spin on the other's cores: on a machine whose speed moves by the minute, the per
 figure. `--kernel` instead runs every linear of the 0.5B's shapes (random
 blocks, 24 layers as a step does; `--head` adds the 151,936-row head) through `ragspec_gguf::qmatmul` for each
 row count and prints ms and GOP/s. `--amx N` (CPUs with AMX) runs dtype gguf with the kernel's AMX tiles off and on
-in turn, prefills and steps, and prints the per-pair ratio and whether the logits were the same bits.
+in turn, prefills and steps, and prints the per-pair ratio and whether the logits were the same bits. `--q8k N`
+likewise switches the Q4_K linears between the group activation rule and llama.cpp's Q8_K rule (u4k8; other
+numerics, so it prints the largest logit difference too).
 """
 
 from __future__ import annotations
@@ -82,18 +84,8 @@ def interleaved(model: str, steps: int, sizes=(1, 16), context: int = 1024, paus
         llama.close()
 
 
-def amx_pairs(model: str, rounds: int, prompts=(353, 1024), sizes=(1, 16, 64), steps: int = 20) -> None:
-    """dtype gguf with the kernel's AMX tiles off and on, runs alternated in one process (the same build, the same
-    bits): prefill of each prompt length in the backend's 512-token chunks, then single steps of each size over a
-    1,024-token context. One JSON line per measurement: the medians, the per-pair ratio on ÷ off, and whether the
-    logits were identical."""
-    import numpy as np
-    import torch
-    from transformers import DynamicCache
-
-    from ragspec.decoding.backends.base import chunks
-    from ragspec.decoding.backends.growing_cache import growing
-    from ragspec.decoding.backends.transformers import cache_arg
+def amx_pairs(model: str, rounds: int) -> None:
+    """dtype gguf with the kernel's AMX tiles off and on (the same build, the same bits)."""
     from ragspec.models.generator import load_generator
     from ragspec.models.gguf_kernel import load_kernels
 
@@ -102,6 +94,47 @@ def amx_pairs(model: str, rounds: int, prompts=(353, 1024), sizes=(1, 16, 64), s
         print(json.dumps({"amx": "not on this CPU or build"}))
         return
     hf, _ = load_generator(model, "cpu", "gguf")
+    try:
+        switched_pairs(hf, rounds, ops.amx, ("off_ms", "amx_ms"))
+    finally:
+        ops.amx(1)
+
+
+def q8k_pairs(model: str, rounds: int) -> None:
+    """dtype gguf with its Q4_K linears on the group activation rule (u4k) and on the Q8_K rule (u4k8), as
+    RAGSPEC_GGUF_Q8K=1 loads them: an MLP's gate and up switch together, its down stays on the group rule."""
+    from ragspec.models.fused_layers import FusedMLP
+    from ragspec.models.generator import load_generator
+    from ragspec.models.gguf_linear import FORMATS, SUPERBLOCK, GGUFLinear
+
+    hf, _ = load_generator(model, "cpu", "gguf")
+    downs = {id(m.down_proj) for m in hf.modules() if isinstance(m, FusedMLP)}
+    mlps = [(m.gate_proj, m.up_proj) for m in hf.modules() if isinstance(m, FusedMLP)]
+    mixed = {id(x) for g, u in mlps if (g.fmt == "u4k") != (u.fmt == "u4k") for x in (g, u)}
+    q4k = [m for m in hf.modules() if isinstance(m, GGUFLinear) and m.fmt == "u4k" and id(m) not in downs | mixed]
+    print(json.dumps({"q4k_linears_switched": len(q4k)}), flush=True)
+
+    def switch(mode):
+        for m in q4k:
+            m.code = SUPERBLOCK if mode else FORMATS["u4k"]
+
+    switched_pairs(hf, rounds, switch, ("group_ms", "q8k_ms"))
+    switch(0)
+
+
+def switched_pairs(hf, rounds: int, switch, names, prompts=(353, 1024), sizes=(1, 16, 64), steps: int = 20) -> None:
+    """Runs alternated in one process between `switch(0)` and `switch(1)`: prefill of each prompt length in the
+    backend's 512-token chunks, then single steps of each size over a 1,024-token context. One JSON line per
+    measurement: the medians (`names`), the per-pair ratio 1 ÷ 0, whether the logits were identical and their
+    largest difference."""
+    import numpy as np
+    import torch
+    from transformers import DynamicCache
+
+    from ragspec.decoding.backends.base import chunks
+    from ragspec.decoding.backends.growing_cache import growing
+    from ragspec.decoding.backends.transformers import cache_arg
+
     rng = np.random.default_rng(0)
 
     def forward(ids, start, cache, keep=None):
@@ -118,35 +151,33 @@ def amx_pairs(model: str, rounds: int, prompts=(353, 1024), sizes=(1, 16, 64), s
         ms, out = {0: [], 1: []}, {}
         for _ in range(n):
             for mode in (0, 1):
-                ops.amx(mode)
+                switch(mode)
                 t = time.perf_counter()
                 out[mode] = run()
                 ms[mode].append((time.perf_counter() - t) * 1000)
-        off, on = np.array(ms[0]), np.array(ms[1])
-        print(json.dumps({**label, "off_ms": round(float(np.median(off)), 2), "amx_ms": round(float(np.median(on)), 2),
-                          "ratio": round(float(np.median(on / off)), 3), "same_logits": bool(torch.equal(out[0], out[1]))}),
-              flush=True)
+        a, b = np.array(ms[0]), np.array(ms[1])
+        print(json.dumps({**label, names[0]: round(float(np.median(a)), 2), names[1]: round(float(np.median(b)), 2),
+                          "ratio": round(float(np.median(b / a)), 3), "same_logits": bool(torch.equal(out[0], out[1])),
+                          "max_logit_diff": round(float((out[0] - out[1]).abs().max()), 4)}), flush=True)
 
-    try:
-        with torch.inference_mode():
-            for n in prompts:
-                ids = rng.integers(100, 30000, n).tolist()
-                pairs({"prefill_tokens": n}, lambda ids=ids: prefill(ids)[1], rounds)
-            context = 1024
-            cache, _ = prefill(rng.integers(100, 30000, context).tolist())
-            for n in sizes:
-                toks = rng.integers(100, 30000, n).tolist()
+    with torch.inference_mode():
+        for n in prompts:
+            ids = rng.integers(100, 30000, n).tolist()
+            pairs({"prefill_tokens": n}, lambda ids=ids: prefill(ids)[1], rounds)
+        context = 1024
+        switch(0)
+        cache, _ = prefill(rng.integers(100, 30000, context).tolist())
+        for n in sizes:
+            toks = rng.integers(100, 30000, n).tolist()
 
-                def step(toks=toks):
-                    logits = forward(toks, context, cache)
-                    for layer in cache.layers:  # back to the context only
-                        layer.keys, layer.values = layer.keys[:, :, :context], layer.values[:, :, :context]
-                    return logits
+            def step(toks=toks):
+                logits = forward(toks, context, cache)
+                for layer in cache.layers:  # back to the context only
+                    layer.keys, layer.values = layer.keys[:, :, :context], layer.values[:, :, :context]
+                return logits
 
-                step()
-                pairs({"n": n}, step, steps)
-    finally:
-        ops.amx(1)
+            step()
+            pairs({"n": n}, step, steps)
 
 
 def kernel(rows: list[int], head: bool, reps: int = 5) -> None:
@@ -195,6 +226,8 @@ def main(argv=None) -> None:
                    help="both candidates loaded at once, N single steps of each in turn (t(1), t(16))")
     p.add_argument("--amx", type=int, default=0, metavar="N",
                    help="dtype gguf with the AMX tiles off and on, N prefills of each in turn (then steps)")
+    p.add_argument("--q8k", type=int, default=0, metavar="N",
+                   help="dtype gguf's Q4_K linears on the group and the Q8_K activation rule, N prefills of each")
     args = p.parse_args(argv)
     flags = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))))
     print(json.dumps({"utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -203,6 +236,8 @@ def main(argv=None) -> None:
         kernel([int(r) for r in args.rows.split(",")], args.head)
     elif args.amx:
         amx_pairs(args.model, args.amx)
+    elif args.q8k:
+        q8k_pairs(args.model, args.q8k)
     elif args.interleave:
         interleaved(args.model, args.interleave)
     else:

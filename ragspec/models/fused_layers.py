@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ragspec.models.gguf_linear import PROMPT_ROWS, GGUFLinear
+from ragspec.models.gguf_linear import FORMATS, PROMPT_ROWS, SUPERBLOCK, GGUFLinear
 
 
 class FusedMLP(nn.Module):
@@ -26,6 +26,13 @@ class FusedMLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.act_fn = mlp.act_fn
         self._prompt = any(m.prompt is not None for m in (self.gate_proj, self.up_proj, self.down_proj))
+        # one activation rule for gate and up (x is quantized once), and the group rule for down (its input is
+        # quantized a group of outputs at a time): u4k8 only where both hold
+        mixed = (self.gate_proj.code == SUPERBLOCK) != (self.up_proj.code == SUPERBLOCK)
+        for m in (self.gate_proj, self.up_proj) if mixed else ():
+            m.code = FORMATS[m.fmt]
+        if self.down_proj.code == SUPERBLOCK:
+            self.down_proj.code = FORMATS[self.down_proj.fmt]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u, d = self.gate_proj, self.up_proj, self.down_proj

@@ -26,6 +26,9 @@
 // Activations: xq int8 [M, K] (-127..127), sx float [M, G] (scale), xs float [M, G] (sx * sum of the group's xq).
 // y[m, n] = sum over g (in order) of (d*sx) * dot(q, xq) + m * xs; the dot is exact in int32. u6 adds its two
 // halves in int32 first: sc0*(dot0 - 32*sum0) + sc1*(dot1 - 32*sum1), sum = the half's xq summed (hs below).
+// u4k8 (code 5): Q4_K's weights as u4k, activations with one scale per 256 inputs (llama.cpp's Q8_K rule), so a
+// super-block is integers to its end: T = sum over its 8 groups of sc*dot, Tm = sum of mn * (the group's xq
+// summed); then y += (D*sx) * T, y += (-Dmin*sx) * Tm, two float operations per 256 inputs instead of two per 32.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -95,7 +98,8 @@ template <int FMT, int R>
 void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const int32_t* hs, int64_t K,
            const uint8_t* w, const uint8_t* wh, const uint16_t* d, const uint8_t* mn, float* y, int64_t N) {
   __m256 acc[R], macc[R];
-  for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
+  __m256i tsum[R];  // u4k8: the super-block's integer sum so far
+  for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_ps(), tsum[r] = _mm256_setzero_si256();
   for (int64_t g = 0; g < G; ++g) {
     __m256i u[8], sg[8];
     if constexpr (FMT == 2) {
@@ -130,6 +134,8 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
     if constexpr (FMT <= 2) {
       dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * 8)));
       if constexpr (FMT != 2) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn) + g));
+    } else if constexpr (FMT == 5) {
+      sc0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + g * 16)));
     } else if constexpr (FMT == 4) {  // D*sc and Dmin*mn are exact in float32 (11 by 6 bits)
       const uint16_t* ds = d + (g / 8) * 16;
       const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + g * 16))));
@@ -172,8 +178,32 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
       } else {
         total = A == 2 ? _mm256_add_epi32(isum[0][r], isum[A - 1][r]) : isum[0][r];
       }
+      if constexpr (FMT == 5) {
+        tsum[r] = _mm256_add_epi32(tsum[r], _mm256_mullo_epi32(sc0, total));
+        continue;
+      }
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dv, _mm256_set1_ps(sx[r * G + g])), acc[r]);
       if constexpr (FMT != 2 && FMT != 3) macc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * G + g]), macc[r]);
+    }
+    if constexpr (FMT == 5) {
+      if (g % 8 == 7) {  // the super-block's end: its min term in integers, then its two float operations
+        const int64_t sb = g / 8;
+        const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + sb * 16)));
+        const __m256 dm = _mm256_sub_ps(_mm256_setzero_ps(),
+                                        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + sb * 16 + 8))));
+        for (int r = 0; r < R; ++r) {
+          __m256i msum = _mm256_setzero_si256();
+          for (int64_t j = 8 * sb; j < 8 * sb + 8; ++j) {
+            const int32_t* h = hs + (r * G + j) * 2;
+            msum = _mm256_add_epi32(msum, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                reinterpret_cast<const __m128i*>(mn + j * 16 + 8))), _mm256_set1_epi32(h[0] + h[1])));
+          }
+          const __m256 s8 = _mm256_set1_ps(sx[r * (G / 8) + sb]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tsum[r]), _mm256_mul_ps(dd, s8), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dm, s8), acc[r]);
+          tsum[r] = _mm256_setzero_si256();
+        }
+      }
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N, _mm256_add_ps(acc[r], macc[r]));
@@ -236,6 +266,8 @@ inline void pair_scales(int64_t g, const uint16_t* d, const uint8_t* mn, int64_t
   if constexpr (FMT <= 2) {
     dv = pair_half(d + g * 8, dstep);
     if constexpr (FMT != 2) mv = pair_half(reinterpret_cast<const uint16_t*>(mn) + g * 8, mstep / 2);
+  } else if constexpr (FMT == 5) {
+    sc0 = pair_bytes<false>(mn + g * 16, mstep);
   } else if constexpr (FMT == 4) {
     const uint16_t* dd = d + (g / 8) * 16;
     dv = _mm512_mul_ps(pair_half(dd, dstep), _mm512_cvtepi32_ps(pair_bytes<false>(mn + g * 16, mstep)));
@@ -276,7 +308,8 @@ void block16(int64_t G, const int8_t* xq, const float* sx, const float* xs, cons
              const uint8_t* w, const uint8_t* wh, const uint16_t* d, const uint8_t* mn, float* y, int64_t N,
              int64_t wstep, int64_t hstep, int64_t dstep, int64_t mstep) {
   __m512 acc[R], macc[R];
-  for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
+  __m512i tsum[R];  // u4k8: the super-block's integer sum so far
+  for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm512_setzero_ps(), tsum[r] = _mm512_setzero_si512();
   for (int64_t g = 0; g < G; ++g) {
     __m512 dv, mv;
     __m512i sc0, sc1;
@@ -322,8 +355,31 @@ void block16(int64_t G, const int8_t* xq, const float* sx, const float* xs, cons
       } else {
         total = A == 2 ? _mm512_add_epi32(isum[0][r], isum[A - 1][r]) : isum[0][r];
       }
+      if constexpr (FMT == 5) {
+        tsum[r] = _mm512_add_epi32(tsum[r], _mm512_mullo_epi32(sc0, total));
+        continue;
+      }
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(dv, _mm512_set1_ps(sx[r * G + g])), acc[r]);
       if constexpr (FMT != 2 && FMT != 3) macc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * G + g]), macc[r]);
+    }
+    if constexpr (FMT == 5) {
+      if (g % 8 == 7) {  // block()'s super-block end, 16 lanes
+        const int64_t sb = g / 8;
+        const __m512 dd = pair_half(d + sb * 16, dstep);
+        const __m512 dm = _mm512_sub_ps(_mm512_setzero_ps(), pair_half(d + sb * 16 + 8, dstep));
+        for (int r = 0; r < R; ++r) {
+          __m512i msum = _mm512_setzero_si512();
+          for (int64_t j = 8 * sb; j < 8 * sb + 8; ++j) {
+            const int32_t* h = hs + (r * G + j) * 2;
+            msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(pair_bytes<false>(mn + j * 16 + 8, mstep),
+                                                             _mm512_set1_epi32(h[0] + h[1])));
+          }
+          const __m512 s8 = _mm512_set1_ps(sx[r * (G / 8) + sb]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tsum[r]), _mm512_mul_ps(dd, s8), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dm, s8), acc[r]);
+          tsum[r] = _mm512_setzero_si512();
+        }
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -376,6 +432,86 @@ void amx_configure(bool halves) {
   c.rows[3] = c.rows[5] = halves ? 4 : 8;
   c.colsb[3] = c.colsb[5] = 64;
   _tile_loadconfig(&c);
+}
+
+// u4k8 (amx_super): 0, 1, 2 hold a super-block's sums (16 rows x 16 int32) by the low and high bits of the
+// sub-scales and by the mins; 3 a group of activations (16 rows x 32 bytes); 4, 5, 6 the group's weights times
+// the low bits, times the high bits, and its mins (8 rows of 4 inputs x 16 outputs each).
+void amx_configure_super() {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 3; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  c.rows[3] = 16;
+  c.colsb[3] = 32;
+  for (int t = 4; t < 7; ++t) c.rows[t] = 8, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+// u4k8 on AMX, arguments as amx_pair's: the super-block's integers come out of the tiles whole, so its float
+// work is two operations per row and 256 inputs. Each 6-bit sub-scale is split, sc = 16*hi + lo, and the weight
+// bytes are taken times lo (<= 15*15) and times hi (<= 15*3): still unsigned bytes, so sum(sc*q*x) over the
+// super-block = T_lo + 16*T_hi exactly; the min term sum(mn*x) is a third product against the mins repeated
+// over each group's inputs. The same integers as block16's sum of sc*dot and of mn*(group sum), and then its
+// float operations in its order: the same bits.
+void amx_super(int64_t M, int64_t G, const int8_t* xq, const float* sx, int64_t K, const uint8_t* w,
+               const uint16_t* d, const uint8_t* mn, float* y, int64_t N, int64_t wstep, int64_t dstep,
+               int64_t mstep) {
+  constexpr int R = 16;
+  thread_local std::vector<uint8_t> wbytes;
+  wbytes.resize(G * 1088 + 64);
+  uint8_t* wb = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wbytes.data()) + 63) & ~uintptr_t(63));
+  const __m512i even = _mm512_set1_epi16(0x00FF);
+  for (int64_t g = 0; g < G; ++g) {  // per group: 512 bytes q*lo, 512 bytes q*hi, 64 bytes of mins
+    const __m512i sc = pair_bytes<false>(mn + g * 16, mstep), mins = pair_bytes<false>(mn + g * 16 + 8, mstep);
+    const __m512i lo = _mm512_and_si512(sc, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(sc, 4);
+    const __m512i lo2 = _mm512_or_si512(lo, _mm512_slli_epi32(lo, 16)), hi2 = _mm512_or_si512(hi, _mm512_slli_epi32(hi, 16));
+    uint8_t* out = wb + g * 1088;
+    for (int c = 0; c < 8; ++c) {
+      const __m512i u = pair_bytes_of<4>(g, c, w, nullptr, wstep, 0);
+      const __m512i ue = _mm512_and_si512(u, even), uo = _mm512_srli_epi16(u, 8);
+      const __m512i plo = _mm512_or_si512(_mm512_mullo_epi16(ue, lo2), _mm512_slli_epi16(_mm512_mullo_epi16(uo, lo2), 8));
+      const __m512i phi = _mm512_or_si512(_mm512_mullo_epi16(ue, hi2), _mm512_slli_epi16(_mm512_mullo_epi16(uo, hi2), 8));
+      _mm512_store_si512(out + 64 * c, plo);
+      _mm512_store_si512(out + 512 + 64 * c, phi);
+    }
+    _mm512_store_si512(out + 1024, _mm512_mullo_epi32(mins, _mm512_set1_epi32(0x01010101)));
+  }
+  alignas(64) int32_t tsum[3][R * 16];
+  alignas(64) float acc[R][16];
+  for (int64_t m0 = 0; m0 < M; m0 += R) {
+    const int8_t* xt = xq + m0 * K;
+    std::memset(acc, 0, sizeof acc);
+    for (int64_t sb = 0; sb < G / 8; ++sb) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      for (int64_t g = 8 * sb; g < 8 * sb + 8; ++g) {
+        const uint8_t* wg = wb + g * 1088;
+        _tile_loadd(3, xt + g * GROUP, K);
+        _tile_loadd(4, wg, 64);
+        _tile_loadd(5, wg + 512, 64);
+        _tile_loadd(6, wg + 1024, 0);  // the mins' 64 bytes for every row of 4 inputs
+        _tile_dpbsud(0, 3, 4);
+        _tile_dpbsud(1, 3, 5);
+        _tile_dpbsud(2, 3, 6);
+      }
+      _tile_stored(0, tsum[0], 64);
+      _tile_stored(1, tsum[1], 64);
+      _tile_stored(2, tsum[2], 64);
+      const __m512 dd = pair_half(d + sb * 16, dstep);
+      const __m512 dm = _mm512_sub_ps(_mm512_setzero_ps(), pair_half(d + sb * 16 + 8, dstep));
+      for (int r = 0; r < R; ++r) {
+        const __m512i t = _mm512_add_epi32(_mm512_load_si512(tsum[0] + r * 16),
+                                           _mm512_slli_epi32(_mm512_load_si512(tsum[1] + r * 16), 4));
+        const __m512 s8 = _mm512_set1_ps(sx[(m0 + r) * (G / 8) + sb]);
+        __m512 a = _mm512_load_ps(acc[r]);
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dd, s8), a);
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(tsum[2] + r * 16)), _mm512_mul_ps(dm, s8), a);
+        _mm512_store_ps(acc[r], a);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N, _mm512_add_ps(_mm512_load_ps(acc[r]), _mm512_setzero_ps()));
+  }
 }
 
 // y[r][8b .. 8b+16) for rows [0, M) (M a multiple of 16) of blocks b and b + 1, arguments as block16's. The
@@ -500,6 +636,7 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < 8; ++j) {
       float total = 0.f, mtotal = 0.f;
+      int32_t tsum = 0, msum = 0;  // u4k8
       for (int64_t g = 0; g < G; ++g) {
         int32_t isum[2] = {0, 0};
         for (int c = 0; c < 8; ++c) {
@@ -518,6 +655,19 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
         }
         float dv, mv = 0.f;
         int32_t whole = isum[0] + isum[1];
+        if (FMT == 5) {  // integers to the super-block's end, then its two float operations
+          const int32_t* h = hs + (r * G + g) * 2;
+          tsum += mn[g * 16 + j] * whole;
+          msum += mn[g * 16 + 8 + j] * (h[0] + h[1]);
+          if (g % 8 == 7) {
+            const float s8 = sx[r * (G / 8) + g / 8];
+            const float dd = half_to_float(d[(g / 8) * 16 + j]), dm = -half_to_float(d[(g / 8) * 16 + 8 + j]);
+            total = std::fma(static_cast<float>(tsum), dd * s8, total);
+            total = std::fma(static_cast<float>(msum), dm * s8, total);
+            tsum = msum = 0;
+          }
+          continue;
+        }
         if (FMT <= 2) {
           dv = half_to_float(d[g * 8 + j]);
           if (FMT != 2) mv = half_to_float(mh[g * 8 + j]);
@@ -539,30 +689,36 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
 }
 #endif
 
-// One group of 32 floats -> int8 (-127..127) with its scale, and scale * the sum of the int8 values: llama.cpp's
-// Q8 rule. Every quantisation of activations goes through here, so a group's bits never depend on the caller.
+// One span of S floats (a group of 32, or a super-block of 256 for u4k8) -> int8 (-127..127) with its scale, and
+// scale * the sum of the int8 values: llama.cpp's Q8 rule (Q8_K's for 256). Every quantisation of activations goes
+// through here, so a span's bits never depend on the caller.
+template <int S = GROUP>
 inline void quantize_group(const float* v, int8_t* q, float* scale_out, float* sum_out) {
 #if defined(__AVX512F__)
   // the same operations 16 lanes at a time (max and the integer sum are exact in any order)
-  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  __m512 m = _mm512_setzero_ps();
+  for (int i = 0; i < S; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(v + i)));
+  const float amax = _mm512_reduce_max_ps(m);
   const float scale = amax / 127.f;
   const __m512 inv = _mm512_set1_ps(scale > 0.f ? 127.f / amax : 0.f);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
   constexpr int NEAREST = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512i qa = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(a, inv), NEAREST)), lo), hi);
-  const __m512i qb = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(b, inv), NEAREST)), lo), hi);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  __m512i total = _mm512_setzero_si512();
+  for (int i = 0; i < S; i += 16) {
+    const __m512 a = _mm512_loadu_ps(v + i);
+    const __m512i qa = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(a, inv), NEAREST)), lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(qa));
+    total = _mm512_add_epi32(total, qa);
+  }
   *scale_out = scale;
-  *sum_out = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+  *sum_out = scale * static_cast<float>(_mm512_reduce_add_epi32(total));
 #else
   float amax = 0.f;
-  for (int j = 0; j < GROUP; ++j) amax = std::fmax(amax, std::fabs(v[j]));
+  for (int j = 0; j < S; ++j) amax = std::fmax(amax, std::fabs(v[j]));
   const float scale = amax / 127.f;
   const float inv = scale > 0.f ? 127.f / amax : 0.f;
   int32_t sum = 0;
-  for (int j = 0; j < GROUP; ++j) {
+  for (int j = 0; j < S; ++j) {
     int v8 = static_cast<int>(std::nearbyint(v[j] * inv));
     v8 = v8 > 127 ? 127 : (v8 < -127 ? -127 : v8);
     q[j] = static_cast<int8_t>(v8);
@@ -573,11 +729,14 @@ inline void quantize_group(const float* v, int8_t* q, float* scale_out, float* s
 #endif
 }
 
-// x [M, K] float32 -> (xq int8 [M, K], sx [M, G], xs [M, G]); each row and group alone.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_in) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % GROUP == 0, "quantize_rows: x must be [M, K], K a multiple of 32");
+// x [M, K] float32 -> (xq int8 [M, K], sx [M, G], xs [M, G]); each row and span (`span` 32, or 256 for u4k8:
+// then G = K / 256) alone.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_in, int64_t span) {
+  TORCH_CHECK(span == GROUP || span == 8 * GROUP, "quantize_rows: span must be 32 or 256");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % span == 0, "quantize_rows: x must be [M, K], K a multiple of ",
+              span);
   at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t M = x.size(0), K = x.size(1), G = K / GROUP;
+  const int64_t M = x.size(0), K = x.size(1), G = K / span;
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor sx = at::empty({M, G}, x.options());
   at::Tensor xs = at::empty({M, G}, x.options());
@@ -586,7 +745,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
   float *psx = sx.data_ptr<float>(), *pxs = xs.data_ptr<float>();
   at::parallel_for(0, M * G, 256, [&](int64_t begin, int64_t end) {
     // row i / G, group i % G: rows are contiguous, so groups are too
-    for (int64_t i = begin; i < end; ++i) quantize_group(px + i * GROUP, pq + i * GROUP, psx + i, pxs + i);
+    for (int64_t i = begin; i < end; ++i) {
+      if (span == GROUP) quantize_group<GROUP>(px + i * span, pq + i * span, psx + i, pxs + i);
+      else quantize_group<8 * GROUP>(px + i * span, pq + i * span, psx + i, pxs + i);
+    }
   });
   return {xq, sx, xs};
 }
@@ -605,7 +767,7 @@ Blocks blocks_of(const at::Tensor& w, const at::Tensor& wh, const at::Tensor& d,
                  int64_t K) {
   TORCH_CHECK(w.is_contiguous() && d.is_contiguous() && mn.is_contiguous() && wh.is_contiguous(),
               "qmatmul: contiguous inputs");
-  TORCH_CHECK(fmt >= 0 && fmt <= 4, "qmatmul: fmt must be 0 (u4), 1 (u5), 2 (s8), 3 (u6) or 4 (u4k)");
+  TORCH_CHECK(fmt >= 0 && fmt <= 5, "qmatmul: fmt must be 0 (u4), 1 (u5), 2 (s8), 3 (u6), 4 (u4k) or 5 (u4k8)");
   const int64_t G = K / GROUP, N = w.size(0) * 8;
   const bool super = fmt >= 3;  // scales per 8 groups (a GGUF super-block of 256 inputs)
   TORCH_CHECK(w.size(1) == G && d.size(0) == N / 8 && d.size(1) == (super ? G / 8 : G) && (!super || G % 8 == 0),
@@ -613,7 +775,7 @@ Blocks blocks_of(const at::Tensor& w, const at::Tensor& wh, const at::Tensor& d,
   Blocks b;
   b.wblock = G * (fmt == 2 ? 256 : 128);
   b.hblock = G * (fmt == 1 ? 32 : fmt == 3 ? 64 : 0);
-  b.dblock = fmt == 4 ? G / 8 * 16 : fmt == 3 ? G : G * 8;
+  b.dblock = fmt >= 4 ? G / 8 * 16 : fmt == 3 ? G : G * 8;
   b.mblock = fmt == 2 ? 0 : G * 16;
   TORCH_CHECK(wh.numel() == N / 8 * b.hblock && d.numel() * d.element_size() == N / 8 * b.dblock * 2 &&
               mn.numel() * mn.element_size() == N / 8 * b.mblock, "qmatmul: scales do not match the format");
@@ -644,14 +806,15 @@ std::vector<int32_t> half_sums(const int8_t* px, int64_t M, int64_t G) {
 // the blocks' weights stay in cache while every tile of rows passes.
 void run_blocks(const Blocks& W, const int8_t* px, const float* psx, const float* pxs, const int32_t* hs, int64_t M,
                 int64_t K, int64_t b0, int64_t bend, float* y, int64_t ldy) {
-  const int64_t G = W.G;
+  const int64_t G = W.G, SG = W.fmt == 5 ? G / 8 : G;  // activation scales per row
   int64_t m0 = 0;
 #if defined(RAGSPEC_AMX)
   // full tiles of 16 rows on AMX, two blocks at a time (an odd last block in tiles of 8 rows); from 32 rows (16 for
   // s8, which has no min term), where it pays for unpacking the weights to bytes (measured on a Sapphire Rapids)
-  if (M >= (W.fmt == 2 ? 16 : 32) && bend - b0 >= 2 && amx_on()) {
+  if (M >= (W.fmt == 2 || W.fmt == 5 ? 16 : 32) && bend - b0 >= 2 && amx_on()) {
     const int64_t M16 = M / 16 * 16;
-    amx_configure(W.fmt == 3);
+    if (W.fmt == 5) amx_configure_super();
+    else amx_configure(W.fmt == 3);
     for (int64_t b = b0; b < bend;) {
       const uint8_t* wb = W.w + b * W.wblock;
       const uint8_t* hb = W.wh ? W.wh + b * W.hblock : nullptr;
@@ -665,10 +828,17 @@ void run_blocks(const Blocks& W, const int8_t* px, const float* psx, const float
     amx_pair<F>(M16, G, px, psx, pxs, hs, K, wb, hb, db, mb, y0, ldy, W.wblock, W.hblock, W.dblock, W.mblock); break; \
   case F * 2: \
     for (int64_t r0 = 0; r0 < M16; r0 += 8) \
-      block<F, 8>(G, px + r0 * K, psx + r0 * G, pxs + r0 * G, hs ? hs + r0 * G * 2 : nullptr, K, wb, hb, db, mb, \
+      block<F, 8>(G, px + r0 * K, psx + r0 * SG, pxs + r0 * SG, hs ? hs + r0 * G * 2 : nullptr, K, wb, hb, db, mb, \
                   y0 + r0 * ldy, ldy); \
     break;
         RAGSPEC_AMX_CASE(0) RAGSPEC_AMX_CASE(1) RAGSPEC_AMX_CASE(2) RAGSPEC_AMX_CASE(3) RAGSPEC_AMX_CASE(4)
+        case 5 * 2 + 1:
+          amx_super(M16, G, px, psx, K, wb, db, mb, y0, ldy, W.wblock, W.dblock, W.mblock);
+          break;
+        case 5 * 2:
+          for (int64_t r0 = 0; r0 < M16; r0 += 8)
+            block<5, 8>(G, px + r0 * K, psx + r0 * SG, nullptr, hs + r0 * G * 2, K, wb, hb, db, mb, y0 + r0 * ldy, ldy);
+          break;
 #undef RAGSPEC_AMX_CASE
       }
       b += pair ? 2 : 1;
@@ -685,8 +855,8 @@ void run_blocks(const Blocks& W, const int8_t* px, const float* psx, const float
       const uint16_t* db = W.d + b * W.dblock;
       const uint8_t* mb = W.mn ? W.mn + b * W.mblock : nullptr;
       const int8_t* x0 = px + m0 * K;
-      const float* s0 = psx + m0 * G;
-      const float* t0 = pxs + m0 * G;
+      const float* s0 = psx + m0 * SG;
+      const float* t0 = pxs + m0 * SG;
       const int32_t* h0 = hs ? hs + m0 * G * 2 : nullptr;
       float* y0 = y + m0 * ldy + 8 * (b - b0);
 #if defined(RAGSPEC_BLOCK16)
@@ -711,7 +881,7 @@ void run_blocks(const Blocks& W, const int8_t* px, const float* psx, const float
 #else
 #define RAGSPEC_ROWS(F) RAGSPEC_CASE(F, 1) RAGSPEC_CASE(F, 2) RAGSPEC_CASE(F, 3) RAGSPEC_CASE(F, 4)
 #endif
-        RAGSPEC_ROWS(0) RAGSPEC_ROWS(1) RAGSPEC_ROWS(2) RAGSPEC_ROWS(3) RAGSPEC_ROWS(4)
+        RAGSPEC_ROWS(0) RAGSPEC_ROWS(1) RAGSPEC_ROWS(2) RAGSPEC_ROWS(3) RAGSPEC_ROWS(4) RAGSPEC_ROWS(5)
 #undef RAGSPEC_ROWS
 #undef RAGSPEC_PAIR
 #undef RAGSPEC_CASE
@@ -730,7 +900,9 @@ at::Tensor qmatmul(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor&
   const Blocks W = blocks_of(w, wh, d, mn, fmt, K);
   at::Tensor y = at::empty({M, W.N}, sx.options());
   const int8_t* px = xq.data_ptr<int8_t>();
-  const std::vector<int32_t> hs = fmt == 3 ? half_sums(px, M, W.G) : std::vector<int32_t>();
+  TORCH_CHECK(sx.size(0) == M && sx.size(1) == (fmt == 5 ? W.G / 8 : W.G), "qmatmul: activation scales do not "
+              "match the format (u4k8: one per 256 inputs)");
+  const std::vector<int32_t> hs = fmt == 3 || fmt == 5 ? half_sums(px, M, W.G) : std::vector<int32_t>();
   float* py = y.data_ptr<float>();
   // blocks of outputs per thread; each streams its part of the weight once for all M rows
   at::parallel_for(0, W.N / 8, NB, [&](int64_t begin, int64_t end) {
@@ -746,7 +918,7 @@ at::Tensor qmatmul(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor&
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wh, const at::Tensor& d,
                   const at::Tensor& mn, const at::Tensor& bias, int64_t fmt, int64_t out) {
   const int64_t K = x.size(-1);
-  auto [xq, sx, xs] = quantize_rows(x.reshape({-1, K}));
+  auto [xq, sx, xs] = quantize_rows(x.reshape({-1, K}), fmt == 5 ? 8 * GROUP : GROUP);
   at::Tensor y = qmatmul(xq, sx, xs, w, wh, d, mn, fmt);
   if (y.size(1) != out) y = y.narrow(1, 0, out).contiguous();
   if (bias.numel()) y.add_(bias);
@@ -811,7 +983,9 @@ at::Tensor mlp(const at::Tensor& x, const at::Tensor& gw, const at::Tensor& gwh,
                const at::Tensor& umn, int64_t ufmt, const at::Tensor& dw, const at::Tensor& dwh, const at::Tensor& dd,
                const at::Tensor& dmn, int64_t dfmt, int64_t inter, int64_t out) {
   const int64_t K = x.size(-1);
-  auto [xq, sx, xs] = quantize_rows(x.reshape({-1, K}));
+  TORCH_CHECK((gfmt == 5) == (ufmt == 5) && dfmt != 5, "mlp: gate and up both u4k8 or neither; down not u4k8 (its "
+              "input is quantised a group at a time)");
+  auto [xq, sx, xs] = quantize_rows(x.reshape({-1, K}), gfmt == 5 ? 8 * GROUP : GROUP);
   const int64_t M = xq.size(0);
   const Blocks Wg = blocks_of(gw, gwh, gd, gmn, gfmt, K), Wu = blocks_of(uw, uwh, ud, umn, ufmt, K);
   TORCH_CHECK(Wg.N == Wu.N && Wg.N >= inter && inter % GROUP == 0,
@@ -823,7 +997,9 @@ at::Tensor mlp(const at::Tensor& x, const at::Tensor& gw, const at::Tensor& gwh,
   const int8_t* px = xq.data_ptr<int8_t>();
   const float *psx = sx.data_ptr<float>(), *pxs = xs.data_ptr<float>();
   const int64_t G = K / GROUP;
-  const std::vector<int32_t> hs = gfmt == 3 || ufmt == 3 ? half_sums(px, M, G) : std::vector<int32_t>();
+  const int64_t SG = gfmt == 5 ? G / 8 : G;  // activation scales per row
+  const bool gh = gfmt == 3 || gfmt == 5, uh = ufmt == 3 || ufmt == 5;  // formats that read the group sums
+  const std::vector<int32_t> hs = gh || uh ? half_sums(px, M, G) : std::vector<int32_t>();
   const int32_t* phs = hs.empty() ? nullptr : hs.data();
   int8_t* phq = hq.data_ptr<int8_t>();
   float *phsx = hsx.data_ptr<float>(), *phxs = hxs.data_ptr<float>();
@@ -839,9 +1015,9 @@ at::Tensor mlp(const at::Tensor& x, const at::Tensor& gw, const at::Tensor& gwh,
         const int64_t rows = std::min(chunk, M - c0);
         const int8_t* x0 = px + c0 * K;
         const int32_t* h0 = phs ? phs + c0 * G * 2 : nullptr;
-        run_blocks(Wg, x0, psx + c0 * G, pxs + c0 * G, gfmt == 3 ? h0 : nullptr, rows, K, t0 * GROUP / 8,
+        run_blocks(Wg, x0, psx + c0 * SG, pxs + c0 * SG, gh ? h0 : nullptr, rows, K, t0 * GROUP / 8,
                    t1 * GROUP / 8, gbuf, n);
-        run_blocks(Wu, x0, psx + c0 * G, pxs + c0 * G, ufmt == 3 ? h0 : nullptr, rows, K, t0 * GROUP / 8,
+        run_blocks(Wu, x0, psx + c0 * SG, pxs + c0 * SG, uh ? h0 : nullptr, rows, K, t0 * GROUP / 8,
                    t1 * GROUP / 8, ubuf, n);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t m = c0 + r;
@@ -900,7 +1076,7 @@ int64_t amx_op(int64_t mode) {
 }  // namespace
 
 TORCH_LIBRARY(ragspec_gguf, m) {
-  m.def("quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("quantize_rows(Tensor x, int span=32) -> (Tensor, Tensor, Tensor)");
   m.def("qmatmul(Tensor xq, Tensor sx, Tensor xs, Tensor w, Tensor wh, Tensor d, Tensor mn, int fmt) -> Tensor");
   m.def("linear(Tensor x, Tensor w, Tensor wh, Tensor d, Tensor mn, Tensor bias, int fmt, int out) -> Tensor");
   m.def("mlp(Tensor x, Tensor gw, Tensor gwh, Tensor gd, Tensor gmn, int gfmt, Tensor uw, Tensor uwh, Tensor ud, "

@@ -18,7 +18,10 @@ the 1.5B reads ~1.0 GB, what llama.cpp reads, where rounding them onto u4 (5 bit
 
 Activations are quantized per row and per group of 32 to int8 (llama.cpp's Q8 rule), so the group's product is
 an exact integer and a row never depends on another: a token's logits are bit-identical alone or inside a
-draft tree (greedy stays identical to plain greedy of this same model for every drafter).
+draft tree (greedy stays identical to plain greedy of this same model for every drafter). With
+RAGSPEC_GGUF_Q8K=1, Q4_K linears (but an MLP's down projection, whose input the fused MLP quantizes a group at a
+time) take llama.cpp's Q8_K rule instead, one scale per 256 inputs (kernel format u4k8): a super-block's sub-scales
+and mins then apply in integers, and its float work is two operations per 256 inputs instead of two per 32.
 
 Reading a prompt is another matter: hundreds of rows reuse every weight, so the bound is arithmetic, not bytes.
 With RAGSPEC_GGUF_PROMPT=1, where the CPU has native bf16 (AVX512_BF16/AMX), each linear keeps a second, bf16
@@ -44,6 +47,7 @@ log = logging.getLogger(__name__)
 
 GROUP = 32
 FORMATS = {"u4": 0, "u5": 1, "s8": 2, "u6": 3, "u4k": 4}
+SUPERBLOCK = 5  # the kernel's code for u4k weights with one activation scale per 256 inputs (u4k8)
 PROMPT_ROWS = 320  # forwards of more rows than this (prompt chunks only; trees stop at 256) use the bf16 copy
 
 
@@ -212,6 +216,11 @@ def _unblock(t: torch.Tensor, rows: int) -> torch.Tensor:
     return t.view(torch.float16).float().permute(0, 2, 1).reshape(-1, t.shape[1])[:rows]
 
 
+def superblock_activations() -> bool:
+    """Q4_K linears with llama.cpp's Q8_K activation rule (RAGSPEC_GGUF_Q8K=1): faster, other numerics."""
+    return os.environ.get("RAGSPEC_GGUF_Q8K", "0") == "1"
+
+
 def prompt_copy_available() -> bool:
     """A bf16 copy for prompts: opt-in (RAGSPEC_GGUF_PROMPT=1), and only where bf16 runs natively and oneDNN
     packs it. Off by default because the path then depends on a forward's row count, and a prompt whose start
@@ -230,13 +239,15 @@ class GGUFLinear(nn.Module):
     a packed bf16 copy (where the CPU runs bf16 natively) for prompt chunks."""
 
     def __init__(self, fmt: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, bias: torch.Tensor | None,
-                 gguf_type: str = "", prompt_copy: bool | None = None):
+                 gguf_type: str = "", prompt_copy: bool | None = None, superblock: bool | None = None):
         super().__init__()
         from ragspec.models.gguf_kernel import load_kernels
 
         self.ops = load_kernels()
         self.out_features, self.in_features = q.shape
         self.fmt, self.code, self.gguf_type = fmt, FORMATS[fmt], gguf_type
+        if fmt == "u4k" and (superblock if superblock is not None else superblock_activations()):
+            self.code = SUPERBLOCK
         w, wh = pack(fmt, q)
         self.register_buffer("w", w)
         self.register_buffer("wh", wh)
@@ -292,7 +303,8 @@ class GGUFLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"{self.gguf_type}→{self.fmt}{', bf16 prompt copy' if self.prompt is not None else ''}")
+                f"{self.gguf_type}→{self.fmt}{'8' if self.code == SUPERBLOCK else ''}"
+                f"{', bf16 prompt copy' if self.prompt is not None else ''}")
 
     def nbytes(self) -> tuple[int, int]:
         """(bytes read by a decode step, bytes of the prompt copy)."""
@@ -361,5 +373,6 @@ def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | None = N
     from ragspec.models.gguf_kernel import source_digest
 
     model.ragspec_gguf = done
-    model.ragspec_kernels = source_digest()  # in the t(n) cost key: another build of the kernels costs otherwise
+    # in the t(n) cost key: another build of the kernels, or another activation rule, costs otherwise
+    model.ragspec_kernels = source_digest() + ("-q8k" if superblock_activations() else "")
     return done

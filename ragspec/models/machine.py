@@ -225,7 +225,8 @@ def table_key(model: str, cpu: dict | None = None, candidates=CANDIDATES) -> str
     cpu = cpu or cpu_info()
     model_id = model if not Path(model).expanduser().exists() else str(Path(model).expanduser().resolve())
     parts = [FORMAT, model_id, cpu["model"], cpu["flags_hash"], cpu["threads"], cpu["cores"], torch.__version__,
-             _llama_version(), source_digest(), os.environ.get("RAGSPEC_PACKED_LINEAR", "1"), os.environ.get("RAGSPEC_GGUF_PROMPT", "0"), CONTEXT, SIZES, [c.name for c in candidates]]
+             _llama_version(), source_digest(), os.environ.get("RAGSPEC_PACKED_LINEAR", "1"), os.environ.get("RAGSPEC_GGUF_PROMPT", "0"),
+             os.environ.get("RAGSPEC_GGUF_Q8K", "0"), CONTEXT, SIZES, [c.name for c in candidates]]
     h = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
     slug = "".join(c if c.isalnum() or c in ".-_" else "_" for c in Path(model).name.lower())[:48]
     return f"machine-{slug}-cpu{cpu['flags_hash']}-t{cpu['threads']}c{cpu['cores']}-{h}"
