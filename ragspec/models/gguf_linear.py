@@ -217,7 +217,8 @@ def _unblock(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def superblock_activations() -> bool:
-    """Q4_K linears with llama.cpp's Q8_K activation rule (RAGSPEC_GGUF_Q8K=1): faster, other numerics."""
+    """Q4_K linears with llama.cpp's Q8_K activation rule (RAGSPEC_GGUF_Q8K=1): other numerics; faster prompts
+    where the CPU has AMX, slower without (docs/decoding.md)."""
     return os.environ.get("RAGSPEC_GGUF_Q8K", "0") == "1"
 
 
