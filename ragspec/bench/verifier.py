@@ -101,17 +101,23 @@ def amx_pairs(model: str, rounds: int) -> None:
 
 
 def q8k_pairs(model: str, rounds: int) -> None:
-    """dtype gguf with its Q4_K linears on the group activation rule (u4k) and on the Q8_K rule (u4k8), as
-    RAGSPEC_GGUF_Q8K=1 loads them: an MLP's gate and up switch together, its down stays on the group rule."""
-    from ragspec.models.fused_layers import FusedMLP
+    """dtype gguf with its Q4_K linears on the group activation rule (u4k) and on the Q8_K rule (u4k8): loaded as
+    RAGSPEC_GGUF_Q8K=1 loads them (the fused MLPs decide which of theirs keep it), then switched back and forth."""
+    import os
+
     from ragspec.models.generator import load_generator
     from ragspec.models.gguf_linear import FORMATS, SUPERBLOCK, GGUFLinear
 
-    hf, _ = load_generator(model, "cpu", "gguf")
-    downs = {id(m.down_proj) for m in hf.modules() if isinstance(m, FusedMLP)}
-    mlps = [(m.gate_proj, m.up_proj) for m in hf.modules() if isinstance(m, FusedMLP)]
-    mixed = {id(x) for g, u in mlps if (g.fmt == "u4k") != (u.fmt == "u4k") for x in (g, u)}
-    q4k = [m for m in hf.modules() if isinstance(m, GGUFLinear) and m.fmt == "u4k" and id(m) not in downs | mixed]
+    before = os.environ.get("RAGSPEC_GGUF_Q8K")
+    os.environ["RAGSPEC_GGUF_Q8K"] = "1"
+    try:
+        hf, _ = load_generator(model, "cpu", "gguf")
+    finally:
+        if before is None:
+            del os.environ["RAGSPEC_GGUF_Q8K"]
+        else:
+            os.environ["RAGSPEC_GGUF_Q8K"] = before
+    q4k = [m for m in hf.modules() if isinstance(m, GGUFLinear) and m.code == SUPERBLOCK]
     print(json.dumps({"q4k_linears_switched": len(q4k)}), flush=True)
 
     def switch(mode):
