@@ -31,6 +31,8 @@ SHAPES = {
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "smollm2-135m": dict(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
     "tiny": dict(vocab_size=32000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
 }
@@ -83,15 +85,18 @@ def cmd_env(a) -> None:
 
 def random_model(shape: str, device: str, dtype: str):
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(max_position_embeddings=32768, **SHAPES[shape])
+    shape_cfg = dict(SHAPES[shape])
+    config, model_class = ((LlamaConfig, LlamaForCausalLM) if shape_cfg.pop("arch", "qwen2") == "llama"
+                           else (Qwen2Config, Qwen2ForCausalLM))
+    cfg = config(max_position_embeddings=32768, **shape_cfg)
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))  # drawn in its dtype, where it runs: no float32 copy of a 7B
     try:
         with torch.device(device):
-            model = Qwen2ForCausalLM(cfg)
+            model = model_class(cfg)
     finally:
         torch.set_default_dtype(default)
     return model.eval()
@@ -167,9 +172,34 @@ def cmd_curve(a) -> None:
                          "t_over_t1": {str(n): round(v / static_ms[0], 3) for n, v in zip(sizes, static_ms)},
                          "graphs": a.device == "cuda"},
               "plain_step_ms": plain}
-    write(a.out, f"curve-{a.shape}-{a.device}.json", result)
+    dtype_tag = "" if a.dtype == "bfloat16" else f"-{a.dtype}"
+    write(a.out, f"curve-{a.shape}{dtype_tag}-{a.device}.json", result)
     print(json.dumps({k: result[k] for k in ("shape", "t1_ms", "prefill", "plain_step_ms")}
                      | {"static_t1_ms": result["static"]["t1_ms"]}), flush=True)
+
+
+def cmd_profile(a) -> None:
+    """Where an eager static-verifier step of one row spends its device time, kernel by kernel (graphs off, so
+    the profiler sees each launch; the graphed step runs the same kernels): why float32 costs 3x bfloat16."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ragspec.decoding.backends.static_verifier import StaticBackend
+
+    model = random_model(a.shape, a.device, a.dtype)
+    os.environ["RAGSPEC_CUDA_GRAPHS"] = "0"
+    try:
+        StaticBackend.measure_costs(model, a.context, 1, [1, 16])  # warm: kernels chosen, handles made
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
+        with profile(activities=activities) as prof:
+            StaticBackend.measure_costs(model, a.context, a.repeats, [1, 16])
+    finally:
+        os.environ.pop("RAGSPEC_CUDA_GRAPHS")
+    key = "cuda_time_total" if a.device == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=70)
+    name = f"profile-{a.shape}-{a.dtype}-{a.device}.txt"
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / name).write_text(table)
+    print(f"wrote {a.out / name}\n" + "\n".join(table.splitlines()[:12]), flush=True)
 
 
 def build(corpus: Path, target: Path, embedder: str, device: str):
@@ -261,22 +291,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     default_device = "cuda" if os.environ.get("DEVICE", "cuda") == "cuda" else "cpu"
-    for name in ("env", "curve", "index", "summary"):
+    for name in ("env", "curve", "profile", "index", "summary"):
         p = sub.add_parser(name)
         p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-check-out"))
         p.add_argument("--device", default=default_device, choices=["cpu", "cuda"])
-        if name == "curve":
+        if name in ("curve", "profile"):
             p.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES))
             p.add_argument("--dtype", default="bfloat16")
             p.add_argument("--context", type=int, default=1024)
             p.add_argument("--repeats", type=int, default=5)
+        if name == "curve":
             p.add_argument("--steps", type=int, default=32)
         if name == "index":
             p.add_argument("--corpus", type=Path, required=True)
             p.add_argument("--embedder", default="all-minilm-l6-v2")
             p.add_argument("--sample", type=int, default=60, help="files indexed on both devices")
     a = ap.parse_args()
-    {"env": cmd_env, "curve": cmd_curve, "index": cmd_index, "summary": cmd_summary}[a.cmd](a)
+    {"env": cmd_env, "curve": cmd_curve, "profile": cmd_profile, "index": cmd_index,
+     "summary": cmd_summary}[a.cmd](a)
 
 
 if __name__ == "__main__":

