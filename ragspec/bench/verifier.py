@@ -104,19 +104,13 @@ def q8k_pairs(model: str, rounds: int) -> None:
     """dtype gguf with its Q4_K linears on the group activation rule (u4k) and on the Q8_K rule (u4k8): loaded as
     RAGSPEC_GGUF_Q8K=1 loads them (the fused MLPs decide which of theirs keep it), then switched back and forth."""
     import os
+    from unittest import mock
 
     from ragspec.models.generator import load_generator
     from ragspec.models.gguf_linear import FORMATS, SUPERBLOCK, GGUFLinear
 
-    before = os.environ.get("RAGSPEC_GGUF_Q8K")
-    os.environ["RAGSPEC_GGUF_Q8K"] = "1"
-    try:
+    with mock.patch.dict(os.environ, {"RAGSPEC_GGUF_Q8K": "1"}):
         hf, _ = load_generator(model, "cpu", "gguf")
-    finally:
-        if before is None:
-            del os.environ["RAGSPEC_GGUF_Q8K"]
-        else:
-            os.environ["RAGSPEC_GGUF_Q8K"] = before
     q4k = [m for m in hf.modules() if isinstance(m, GGUFLinear) and m.code == SUPERBLOCK]
     print(json.dumps({"q4k_linears_switched": len(q4k)}), flush=True)
 
