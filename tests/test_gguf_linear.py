@@ -387,3 +387,39 @@ def test_q8k_rule_is_opt_in_and_kept_where_the_fused_mlp_can_run_it(monkeypatch)
     with torch.inference_mode():
         ref = both.down_proj(torch.nn.functional.silu(both.gate_proj(x)) * both.up_proj(x))
         assert ((both(x) - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 1e-3
+
+
+def test_packing_is_kept_read_back_exactly_and_packed_again_when_damaged(tmp_path, monkeypatch, caplog):
+    """The packed blocks are written once and read back as the same tensors; a cut file is deleted and packed
+    again, and a changed GGUF (its modification time) takes a new packing and the old one goes."""
+    import os
+    import shutil
+
+    from ragspec.models import gguf_blocks
+    from ragspec.models.generator import generator_gguf
+
+    src = tmp_path / "smol.gguf"
+    shutil.copy(generator_gguf(SMOL), src)  # the file as installed; RAGSPEC_HOME moved below
+    monkeypatch.setenv("RAGSPEC_HOME", str(tmp_path / "home"))
+    arch, fresh = gguf_blocks._pack(src, 9, 3)  # SmolLM2: 9 query heads, 3 key/value heads
+    path = gguf_blocks.blocks_path(src, 9, 3)
+    assert not path.exists()
+
+    def same(got):
+        assert got[0] == arch == "llama" and set(got[1]) == set(fresh)
+        for name, b in fresh.items():
+            c = got[1][name]
+            assert (c.gguf_type, c.fmt, c.rows, c.cols) == (b.gguf_type, b.fmt, b.rows, b.cols)
+            assert all(torch.equal(getattr(c, p), getattr(b, p)) for p in gguf_blocks.PARTS), name
+
+    same(gguf_blocks.packed_blocks(src, 9, 3))  # packed and kept
+    assert path.is_file() and len(fresh) == 7 * 30 + 1  # 30 layers of 7 linears and the tied head
+    same(gguf_blocks.packed_blocks(src, 9, 3))  # read back
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    same(gguf_blocks.packed_blocks(src, 9, 3))
+    assert "did not read back" in caplog.text and path.stat().st_size > 0
+    assert gguf_blocks.blocks_path(src, 8, 3) != path  # other heads: another un-permutation of Llama's q, k rows
+    os.utime(src, ns=(1, 1))
+    same(gguf_blocks.packed_blocks(src, 9, 3))
+    assert not path.exists() and gguf_blocks.blocks_path(src, 9, 3).is_file()

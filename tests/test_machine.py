@@ -98,7 +98,8 @@ ZEN4 = ZEN3 | {"flags": ["avx2", "avx512f", "avx512_bf16", "avx512_vnni"]}
 def test_guess_follows_the_flags():
     by = {c.name: c for c in machine.CANDIDATES}
     pool = list(machine.CANDIDATES)
-    assert machine.guess(pool, ZEN4).name == "transformers/int8"
+    assert machine.guess(pool, ZEN4).name == "transformers/gguf"
+    assert machine.guess([c for c in pool if c.dtype != "gguf"], ZEN4).name == "transformers/int8"  # no compiler
     assert machine.guess(pool, ZEN4 | {"flags": ["avx2", "avx512_bf16"]}).name == "transformers/bfloat16"
     assert machine.guess(pool, ZEN3).name == "transformers/float32"
     assert machine.guess([by["llama.cpp/gguf"], by["transformers/gguf"]], ZEN3).name == "llama.cpp/gguf"
@@ -280,12 +281,16 @@ def test_a_new_machine_answers_on_a_guess_and_switches_once_measured(tmp_path, m
         pytest.skip("one candidate here: nothing to guess between")
     from ragspec.models.gguf_cache import cache_dir, ensure_converted
     from ragspec.models.registry import lookup
+    from ragspec.paths import ragspec_home
 
     real = ensure_converted(lookup(SMOL))  # in the usual home; converted once
+    kernels = ragspec_home() / "kernels"
     monkeypatch.setenv("RAGSPEC_CALIBRATE", "background")
     monkeypatch.setenv("RAGSPEC_HOME", str(tmp_path / "home"))
     (tmp_path / "home" / "models").mkdir(parents=True)
     (tmp_path / "home" / "models" / cache_dir(lookup(SMOL)).name).symlink_to(real)
+    kernels.mkdir(parents=True, exist_ok=True)  # a gguf guess loads the kernels built in the usual home
+    (tmp_path / "home" / "kernels").symlink_to(kernels)
     path = machine.table_path(SMOL)
     calibration_job._started.add(str(path))
     corpus = write_corpus(tmp_path / "corpus")

@@ -241,18 +241,29 @@ class GGUFLinear(nn.Module):
 
     def __init__(self, fmt: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, bias: torch.Tensor | None,
                  gguf_type: str = "", prompt_copy: bool | None = None, superblock: bool | None = None):
+        w, wh = pack(fmt, q)
+        sd, smn = scale_tensors(fmt, d, m)
+        self._setup(fmt, *q.shape, w, wh, sd, smn, bias, gguf_type, prompt_copy, superblock)
+
+    @classmethod
+    def from_packed(cls, b, bias: torch.Tensor | None, prompt_copy: bool | None = None,
+                    superblock: bool | None = None) -> GGUFLinear:
+        """From blocks already in the kernel's layout (`gguf_blocks.Packed`): no decoding, no packing."""
+        self = cls.__new__(cls)
+        self._setup(b.fmt, b.rows, b.cols, b.w, b.wh, b.d, b.mn, bias, b.gguf_type, prompt_copy, superblock)
+        return self
+
+    def _setup(self, fmt, rows, cols, w, wh, sd, smn, bias, gguf_type, prompt_copy, superblock) -> None:
         super().__init__()
         from ragspec.models.gguf_kernel import load_kernels
 
         self.ops = load_kernels()
-        self.out_features, self.in_features = q.shape
+        self.out_features, self.in_features = rows, cols
         self.fmt, self.code, self.gguf_type = fmt, FORMATS[fmt], gguf_type
         if fmt == "u4k" and (superblock if superblock is not None else superblock_activations()):
             self.code = SUPERBLOCK
-        w, wh = pack(fmt, q)
         self.register_buffer("w", w)
         self.register_buffer("wh", wh)
-        sd, smn = scale_tensors(fmt, d, m)
         self.register_buffer("d", sd)
         self.register_buffer("mn", smn)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
@@ -339,36 +350,25 @@ def hf_module_name(gguf_name: str) -> str | None:
 
 def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | None = None, head: bool = True) -> dict:
     """Replace each linear of a CPU model loaded from `gguf_file` (the same weights, de-quantized) by a
-    `GGUFLinear` built from the file's own blocks; the lm_head too (from `output.weight`, or the tied
-    `token_embd.weight`) unless `head` is False. Returns {module name: GGUF type}."""
-    from gguf import GGUFReader
+    `GGUFLinear` built from the file's own blocks (packed once per machine: `gguf_blocks.py`); the lm_head too
+    (from `output.weight`, or the tied `token_embd.weight`) unless `head` is False. Returns {module name: GGUF
+    type}."""
+    from ragspec.models.gguf_blocks import packed_blocks
 
-    reader = GGUFReader(str(gguf_file))
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    if arch not in ("llama", "qwen2"):
-        raise RagspecError(f"generator dtype gguf knows Llama and Qwen2 GGUFs, not '{arch}'")
     cfg = model.config
-    tensors = {t.name: t for t in reader.tensors}
-    if head and "output.weight" not in tensors and "token_embd.weight" in tensors:
-        tensors["output.weight"] = tensors["token_embd.weight"]  # tied embedding: the head reads the same blocks
+    _, packed = packed_blocks(gguf_file, cfg.num_attention_heads, cfg.num_key_value_heads)
     done = {}
-    for name, t in tensors.items():
-        target = hf_module_name(name)
-        if target is None or (target == "lm_head" and not head):
+    for target, b in packed.items():
+        if target == "lm_head" and not head:
             continue
         module = model.get_submodule(target)
         if not isinstance(module, nn.Linear):
             raise RagspecError(f"generator dtype gguf: {target} is not a linear layer")
-        rows, cols = module.out_features, module.in_features
-        fmt, q, d, m = decode_blocks(t.data, t.tensor_type.name, rows, cols)
-        kind = name.split(".")[2] if name.startswith("blk.") else ""
-        if arch == "llama" and kind in ("attn_q", "attn_k"):
-            heads = cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads
-            order = _unpermute_rows(rows, heads)
-            q, d = q[order], d[order]
-            m = None if m is None else m[order]
-        replace_module(model, target, GGUFLinear(fmt, q, d, m, module.bias, t.tensor_type.name, prompt_copy))
-        done[target] = t.tensor_type.name
+        if (b.rows, b.cols) != (module.out_features, module.in_features):
+            raise RagspecError(f"generator dtype gguf: {target} is {b.rows}x{b.cols} in {gguf_file}, "
+                               f"{module.out_features}x{module.in_features} in the model")
+        replace_module(model, target, GGUFLinear.from_packed(b, module.bias, prompt_copy))
+        done[target] = b.gguf_type
     if not done:
         raise RagspecError(f"generator dtype gguf: no linear of {gguf_file} matched the model")
     from ragspec.models.gguf_kernel import source_digest
