@@ -72,8 +72,12 @@ def packed_blocks(gguf_file, heads: int, kv_heads: int) -> tuple[str, dict[str, 
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process packing it: wait, then read what it wrote
         got = _read(path)
         if got is None:
-            got = _pack(gguf_file, heads, kv_heads)
-            _write(path, *got)
+            from ragspec.console import status
+
+            with status(f"Packing {Path(gguf_file).name}'s blocks for the kernels once (15-25 s; kept in "
+                        f"{path.parent})"):
+                got = _pack(gguf_file, heads, kv_heads)
+                _write(path, *got)
     return got
 
 
