@@ -423,3 +423,22 @@ def test_packing_is_kept_read_back_exactly_and_packed_again_when_damaged(tmp_pat
     os.utime(src, ns=(1, 1))
     same(gguf_blocks.packed_blocks(src, 9, 3))
     assert not path.exists() and gguf_blocks.blocks_path(src, 9, 3).is_file()
+
+
+def test_the_tensor_table_is_read_as_gguf_reads_it():
+    """`gguf_blocks.read_tensors` (metadata skipped) finds the tensors, types, shapes and bytes `GGUFReader` does."""
+    from gguf import GGUFReader
+
+    from ragspec.models.generator import generator_gguf
+    from ragspec.models.gguf_blocks import read_tensors
+
+    path = generator_gguf(SMOL)
+    arch, ours = read_tensors(path)
+    ref = {t.name: t for t in GGUFReader(str(path)).tensors}
+    assert arch == "llama" and set(ours) == set(ref)
+    for name, t in ours.items():
+        r = ref[name]
+        assert (t.type_name, t.shape) == (r.tensor_type.name, tuple(int(n) for n in r.shape)), name
+        assert np.array_equal(t.data, np.asarray(r.data).view(np.uint8).reshape(-1)), name
+    with pytest.raises(RagspecError, match="not a GGUF"):
+        read_tensors(__file__)

@@ -1,9 +1,9 @@
 """A GGUF's linears in the kernel's layout, packed once per machine and kept beside the converted model.
 
-Why: `gguf.GGUFReader` parses every metadata field of a file (the 1.5B's vocabulary and merges: 8.5 s), and
-decoding the blocks and re-laying them for the kernel takes as long again: loading dtype gguf spent 14 s (0.5B)
-and 23 s (1.5B) of every process's start there, on 2 cores. The packed tensors are what the kernel reads, so they
-are kept as one safetensors file under `$RAGSPEC_HOME/models/` and later loads read that. The file's name carries
+Why: decoding a GGUF's blocks and re-laying them for the kernel takes 1.8 s (0.5B) and 6.5 s (1.5B) on 2 cores
+(with `gguf.GGUFReader`, which turns every metadata value into arrays first, it had taken 14 s and 23 s of every
+process's start). The packed tensors are what the kernel reads, so they are kept as one safetensors file under
+`$RAGSPEC_HOME/models/` and later loads read that (0.4 and 1.0 GB). The file's name carries
 a key: the GGUF's path, size and modification time, the packing code (this module's and `gguf_linear.py`'s
 source) and the head counts Llama's q/k rows are un-permuted by; so a changed file or packing never reuses it. It
 is written under a temporary name and renamed when complete (one writer at a time, by a lock), older packings of
@@ -18,9 +18,12 @@ import hashlib
 import json
 import logging
 import os
+import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ragspec.errors import RagspecError
@@ -81,34 +84,111 @@ def packed_blocks(gguf_file, heads: int, kv_heads: int) -> tuple[str, dict[str, 
     return got
 
 
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    type_name: str  # ggml's, e.g. Q4_K
+    shape: tuple[int, ...]  # ggml's order: the innermost dimension first
+    data: np.ndarray  # the raw bytes, uint8 (a view of the mapped file)
+
+
+def read_tensors(gguf_file) -> tuple[str, dict[str, Tensor]]:
+    """(general.architecture, {name: Tensor}) of a GGUF (v2, v3), its metadata skipped but for the architecture
+    and the alignment. `gguf.GGUFReader` (the tests' reference) turns every metadata value into arrays first:
+    8.5 s for the 1.5B's vocabulary and merges, against well under a second here."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    raw = np.memmap(gguf_file, dtype=np.uint8, mode="r")
+    buf = memoryview(raw)
+    if bytes(buf[:4]) != b"GGUF":
+        raise RagspecError(f"{gguf_file} is not a GGUF file")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version < 2:
+        raise RagspecError(f"{gguf_file}: GGUF version {version} is not read here")
+    pos = 24
+
+    def string(at):
+        (n,) = struct.unpack_from("<Q", buf, at)
+        return bytes(buf[at + 8 : at + 8 + n]).decode("utf-8", "replace"), at + 8 + n
+
+    def skip(kind, at):  # past one value of this type
+        if kind in _SCALAR:
+            return at + _SCALAR[kind], None
+        if kind == 8:
+            return string(at)[1], None
+        if kind != 9:
+            raise RagspecError(f"{gguf_file}: metadata value of unknown type {kind}")
+        elem, count = struct.unpack_from("<IQ", buf, at)
+        at += 12
+        if elem in _SCALAR:
+            return at + count * _SCALAR[elem], None
+        for _ in range(count):
+            at = skip(elem, at)[0]
+        return at, None
+
+    meta = {}
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        (kind,) = struct.unpack_from("<I", buf, pos)
+        pos += 4
+        if key == "general.architecture" and kind == 8:
+            meta[key], pos = string(pos)
+        elif key == "general.alignment" and kind == 4:
+            (meta[key],) = struct.unpack_from("<I", buf, pos)
+            pos += 4
+        else:
+            pos = skip(kind, pos)[0]
+    infos = []
+    for _ in range(n_tensors):
+        name, pos = string(pos)
+        (n_dims,) = struct.unpack_from("<I", buf, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+        kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        infos.append((name, dims, kind, offset))
+    align = int(meta.get("general.alignment", 32))
+    start = -(-pos // align) * align
+    tensors = {}
+    for name, dims, kind, offset in infos:
+        qtype = GGMLQuantizationType(kind)
+        block, size = GGML_QUANT_SIZES[qtype]
+        nbytes = int(np.prod(dims)) // block * size
+        tensors[name] = Tensor(name, qtype.name, tuple(int(d) for d in dims),
+                               raw[start + offset : start + offset + nbytes])
+    return meta.get("general.architecture", ""), tensors
+
+
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF metadata type -> bytes
+
+
 def _pack(gguf_file, heads: int, kv_heads: int) -> tuple[str, dict[str, Packed]]:
-    from gguf import GGUFReader
+    from ragspec.models.gguf_linear import hf_module_name
 
-    from ragspec.models.gguf_linear import _unpermute_rows, decode_blocks, hf_module_name, pack, scale_tensors
-
-    reader = GGUFReader(str(gguf_file))
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    arch, tensors = read_tensors(gguf_file)
     if arch not in ARCHS:
         raise RagspecError(f"generator dtype gguf knows Llama and Qwen2 GGUFs, not '{arch}'")
-    tensors = {t.name: t for t in reader.tensors}
     if "output.weight" not in tensors and "token_embd.weight" in tensors:
         tensors["output.weight"] = tensors["token_embd.weight"]  # tied embedding: the head reads the same blocks
-    out = {}
-    for name, t in tensors.items():
-        target = hf_module_name(name)
-        if target is None:
-            continue
-        cols, rows = (int(n) for n in t.shape[:2])  # ggml lists the innermost dimension first
-        fmt, q, d, m = decode_blocks(t.data, t.tensor_type.name, rows, cols)
-        kind = name.split(".")[2] if name.startswith("blk.") else ""
-        if arch == "llama" and kind in ("attn_q", "attn_k"):
-            order = _unpermute_rows(rows, heads if kind == "attn_q" else kv_heads)
-            q, d = q[order], d[order]
-            m = None if m is None else m[order]
-        w, wh = pack(fmt, q)
-        sd, smn = scale_tensors(fmt, d, m)
-        out[target] = Packed(t.tensor_type.name, fmt, rows, cols, w, wh, sd, smn)
-    return arch, out
+    todo = [(hf_module_name(name), t) for name, t in tensors.items() if hf_module_name(name) is not None]
+    # numpy lets go of the GIL in the byte shuffles, so the tensors pack side by side on every core
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # at most 8 tensors' copies at once
+        packed = pool.map(lambda job: _pack_one(arch, *job, heads, kv_heads), todo)
+        return arch, dict(zip((target for target, _ in todo), packed))
+
+
+def _pack_one(arch: str, target: str, t: Tensor, heads: int, kv_heads: int) -> Packed:
+    from ragspec.models.gguf_linear import _unpermute_rows, decode_blocks, pack, scale_tensors
+
+    cols, rows = t.shape[:2]  # ggml lists the innermost dimension first
+    fmt, q, d, m = decode_blocks(t.data, t.type_name, rows, cols)
+    kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+    if arch == "llama" and kind in ("attn_q", "attn_k"):
+        order = _unpermute_rows(rows, heads if kind == "attn_q" else kv_heads)
+        q, d = q[order], d[order]
+        m = None if m is None else m[order]
+    w, wh = pack(fmt, q)
+    sd, smn = scale_tensors(fmt, d, m)
+    return Packed(t.type_name, fmt, rows, cols, w, wh, sd, smn)
 
 
 def _write(path: Path, arch: str, packed: dict[str, Packed]) -> None:
