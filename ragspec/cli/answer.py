@@ -67,7 +67,7 @@ def ask(
                         str(index_path) if index_path else None)
         with console.status("loading the index and the model…"):
             pipe.retriever  # noqa: B018 — open the index now, so a bad path fails before the model loads
-            pipe.load(progress=lambda line: console.print(f"[dim]choosing a backend: {line}[/]"))
+            pipe.load(progress=lambda line: console.print(f"[dim]{line}[/]"))
         from ragspec.console import PrefillProgress, status
 
         answer = None

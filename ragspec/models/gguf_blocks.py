@@ -77,8 +77,8 @@ def packed_blocks(gguf_file, heads: int, kv_heads: int) -> tuple[str, dict[str, 
         if got is None:
             from ragspec.console import status
 
-            with status(f"Packing {Path(gguf_file).name}'s blocks for the kernels once (15-25 s; kept in "
-                        f"{path.parent})"):
+            with status(f"Packing {Path(gguf_file).name}'s blocks for the kernels once (a few seconds; kept "
+                        f"in {path.parent})"):
                 got = _pack(gguf_file, heads, kv_heads)
                 _write(path, *got)
     return got

@@ -122,7 +122,8 @@ class Pipeline:
     def load(self, progress=None) -> Pipeline:
         """Load the generator (and measure its forward cost once, when the draft budget is 'auto'). With
         `generator.backend` / `dtype` auto on a CPU, the backend and dtype are the fastest measured on this
-        machine for this pipeline's ask shape (measured once per machine; `progress(line)` hears about it)."""
+        machine for this pipeline's ask shape (measured once per machine). `progress(line)` hears about the
+        choice and about the one-time measurement of the forward cost."""
         with self._load_lock:
             if self._model is not None and self.choice is not None and self.choice.guessed:
                 self._follow_measurement(progress)
@@ -131,8 +132,9 @@ class Pipeline:
                 from ragspec.models.machine import resolve
 
                 g, method = self.spec.generator, self.spec.drafting.method
+                choosing = None if progress is None else (lambda line: progress(f"choosing a backend: {line}"))
                 self.choice = resolve(g, self.device, self.expected_prompt_tokens(), self.expected_answer_tokens(),
-                                      method, progress=progress, source_cache=self.source_cache_on())
+                                      method, progress=choosing, source_cache=self.source_cache_on())
                 from ragspec.models.machine import needs_transformers
 
                 if self.choice.backend == "llama.cpp" and needs_transformers(method):
@@ -148,7 +150,7 @@ class Pipeline:
             if self._cost is None and self.spec.drafting.budget == "auto" and self.spec.drafting.method != "none":
                 from ragspec.decoding.backends import calibrate
 
-                self._cost = calibrate(self._model)
+                self._cost = calibrate(self._model, progress=progress)
         return self
 
     def _follow_measurement(self, progress=None) -> None:

@@ -60,9 +60,10 @@ def cost_key(model) -> str:
 
 
 def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | None = None, force: bool = False,
-              sizes=SIZES) -> CostModel:
+              sizes=SIZES, progress=None) -> CostModel:
     """Measure (or load) t(n): the median wall time of a forward of n tokens over a `context`-token cache.
-    The model's backend measures (transformers or llama.cpp); the cache file is keyed by its `cost_key`."""
+    The model's backend measures (transformers or llama.cpp); the cache file is keyed by its `cost_key`.
+    `progress(line)` hears when it measures (12 s for the 0.5B, 32 s for the 1.5B on dtype gguf, 2 cores)."""
     backend = backend_class(model)
     folder = cache_dir or ragspec_home() / "calibration"
     path = folder / f"{backend.cost_key(model)}.json"
@@ -75,6 +76,9 @@ def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | Non
         fcntl.flock(lock, fcntl.LOCK_EX)
         if path.exists() and not force:
             return _read_costs(path)
+        if progress is not None:
+            progress(f"measuring this model's step cost for the draft budget once (forwards of {sizes[0]}-"
+                     f"{sizes[-1]} tokens; kept in {path})")
         ms = backend.measure_costs(model, context, repeats, list(sizes))
         model_cost = CostModel(list(sizes), ms)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
