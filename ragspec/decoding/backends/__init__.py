@@ -63,7 +63,7 @@ def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | Non
               sizes=SIZES, progress=None) -> CostModel:
     """Measure (or load) t(n): the median wall time of a forward of n tokens over a `context`-token cache.
     The model's backend measures (transformers or llama.cpp); the cache file is keyed by its `cost_key`.
-    `progress(line)` hears when it measures (12 s for the 0.5B, 32 s for the 1.5B on dtype gguf, 2 cores)."""
+    `progress(line)` hears when it measures (8 s for the 0.5B, 14 s for the 1.5B on dtype gguf, 2 cores)."""
     backend = backend_class(model)
     folder = cache_dir or ragspec_home() / "calibration"
     path = folder / f"{backend.cost_key(model)}.json"
