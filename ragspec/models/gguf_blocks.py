@@ -111,20 +111,20 @@ def read_tensors(gguf_file) -> tuple[str, dict[str, Tensor]]:
         (n,) = struct.unpack_from("<Q", buf, at)
         return bytes(buf[at + 8 : at + 8 + n]).decode("utf-8", "replace"), at + 8 + n
 
-    def skip(kind, at):  # past one value of this type
+    def skip(kind, at) -> int:  # the position past one value of this type
         if kind in _SCALAR:
-            return at + _SCALAR[kind], None
+            return at + _SCALAR[kind]
         if kind == 8:
-            return string(at)[1], None
+            return string(at)[1]
         if kind != 9:
             raise RagspecError(f"{gguf_file}: metadata value of unknown type {kind}")
         elem, count = struct.unpack_from("<IQ", buf, at)
         at += 12
         if elem in _SCALAR:
-            return at + count * _SCALAR[elem], None
+            return at + count * _SCALAR[elem]
         for _ in range(count):
-            at = skip(elem, at)[0]
-        return at, None
+            at = skip(elem, at)
+        return at
 
     meta = {}
     for _ in range(n_kv):
@@ -137,7 +137,7 @@ def read_tensors(gguf_file) -> tuple[str, dict[str, Tensor]]:
             (meta[key],) = struct.unpack_from("<I", buf, pos)
             pos += 4
         else:
-            pos = skip(kind, pos)[0]
+            pos = skip(kind, pos)
     infos = []
     for _ in range(n_tensors):
         name, pos = string(pos)
@@ -169,7 +169,7 @@ def _pack(gguf_file, heads: int, kv_heads: int) -> tuple[str, dict[str, Packed]]
         raise RagspecError(f"generator dtype gguf knows Llama and Qwen2 GGUFs, not '{arch}'")
     if "output.weight" not in tensors and "token_embd.weight" in tensors:
         tensors["output.weight"] = tensors["token_embd.weight"]  # tied embedding: the head reads the same blocks
-    todo = [(hf_module_name(name), t) for name, t in tensors.items() if hf_module_name(name) is not None]
+    todo = [(target, t) for name, t in tensors.items() if (target := hf_module_name(name)) is not None]
     # numpy lets go of the GIL in the byte shuffles, so the tensors pack side by side on every core
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # at most 8 tensors' copies at once
         packed = pool.map(lambda job: _pack_one(arch, *job, heads, kv_heads), todo)
