@@ -337,3 +337,40 @@ def test_the_background_job_waits_for_quiet_then_writes_the_table(tmp_path):
     assert all("prefill_tps" not in r for r in tab["candidates"]) and tab["contended"] == []
     text = log.read_text()
     assert "calibrating" in text and "table written" in text
+
+
+def test_a_contended_table_is_measured_again_three_tries_at_most(tmp_path, monkeypatch):
+    """A table measured beside another job is used and measured again in the background; a job that finds the
+    machine still busy leaves it and counts a try; after TRIES no pipeline starts another job for it, and a job
+    whose table another process measured quietly meanwhile reads that one instead of measuring."""
+    from ragspec.models import calibration_job
+
+    pool = pool_here("auto")
+    if len(pool) < 2:
+        pytest.skip("one candidate here: no table is read")
+    path = machine.table_path(SMOL, tmp_path)
+    rows = [row(c.backend, c.dtype, 100.0, [10.0, 11, 12, 13, 14]) | {"cpu_share": 0.5} for c in pool]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"sizes": [1, 2, 4, 8, 16], "contended": ["transformers/float32"], "tries": 1,
+                               "candidates": rows}))
+    started = []
+    monkeypatch.setattr(calibration_job, "start", lambda *a, **k: started.append(k) or tmp_path / "job.log")
+    settings = GeneratorSettings(model=SMOL, backend="auto")
+    lines = []
+    choice = resolve(settings, "cpu", 400, 32, "suffix", progress=lines.append, cache_dir=tmp_path)
+    assert not choice.guessed and started == [{"again": True}]  # used, and a job measures it again
+    assert "measured beside another job: measuring again" in lines[0]
+
+    # the jobs find the machine busy (no wait at all here): the table stays, each counts a try
+    for tries in (2, 3):
+        table = calibration_job.run(SMOL, tmp_path, again=True, wait_s=0)
+        assert table["tries"] == tries and json.loads(path.read_text())["tries"] == tries
+        assert table["candidates"] == rows  # nothing measured
+    started.clear()
+    resolve(settings, "cpu", 400, 32, "suffix", progress=lines.append, cache_dir=tmp_path)
+    assert started == []  # kept after three tries
+
+    # another process measured it quietly meanwhile: a job asked to measure again reads that table
+    quiet = json.loads(path.read_text()) | {"contended": [], "tries": 1}
+    path.write_text(json.dumps(quiet))
+    assert machine.machine_table(SMOL, cache_dir=tmp_path, again=True) == quiet

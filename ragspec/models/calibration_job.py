@@ -75,10 +75,10 @@ def wait_for_quiet(say, wait_s: float = WAIT_S, parent: int | None = None) -> bo
     return False
 
 
-def start(model: str, table_path: Path, cache_dir: Path | None = None, force: bool = False,
+def start(model: str, table_path: Path, cache_dir: Path | None = None, again: bool = False,
           wait_s: float = WAIT_S) -> Path | None:
-    """Start the detached job measuring `model`'s table (once per process and table); returns its log's path,
-    or None when this process already started one."""
+    """Start the detached job measuring `model`'s table (once per process and table; `again`: the table there
+    is contended); returns its log's path, or None when this process already started one."""
     if str(table_path) in _started:
         return None
     _started.add(str(table_path))
@@ -88,7 +88,7 @@ def start(model: str, table_path: Path, cache_dir: Path | None = None, force: bo
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "ragspec.models.calibration_job", model]
     cmd += ["--cache-dir", str(cache_dir)] if cache_dir else []
-    cmd += ["--force"] if force else []
+    cmd += ["--again"] if again else []
     cmd += ["--wait-s", str(wait_s), "--parent", str(os.getpid())]
     with open(log, "a") as out:
         subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -96,19 +96,31 @@ def start(model: str, table_path: Path, cache_dir: Path | None = None, force: bo
     return log
 
 
-def run(model: str, cache_dir: Path | None = None, force: bool = False, wait_s: float = WAIT_S,
-        parent: int | None = None) -> dict:
-    """The job itself: wait for quiet, then measure (or read the table another process measured meanwhile)."""
-    from ragspec.models.machine import machine_table
+def run(model: str, cache_dir: Path | None = None, again: bool = False, wait_s: float = WAIT_S,
+        parent: int | None = None) -> dict | None:
+    """The job itself: wait for quiet, then measure (or read the table another process measured meanwhile).
+    `again`: the table there was measured beside another job; a machine still busy after `wait_s` leaves it as
+    it is, and that wait counts as one of its TRIES (machine.busy_try), so a machine that stays busy stops
+    starting jobs."""
+    from ragspec.models.machine import TRIES, busy_try, machine_table
 
     def say(line: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
 
-    say(f"calibrating {model} (pid {os.getpid()})")
+    say(f"calibrating {model} (pid {os.getpid()})" + (" again: its table was measured beside another job" if again
+                                                      else ""))
     if not wait_for_quiet(say, wait_s, parent):
+        if again:
+            table = busy_try(model, cache_dir)
+            say(f"the machine stayed busy for {wait_s:.0f} s: the contended table stays"
+                + (f" (try {table['tries']} of {TRIES})" if table and table.get("contended") else ""))
+            return table
         say(f"the machine stayed busy for {wait_s:.0f} s: measuring anyway (contended rows are marked)")
-    table = machine_table(model, force=force, cache_dir=cache_dir, progress=say)
-    say("table written" + (" (contended: measured again when the machine is quiet)" if table.get("contended") else ""))
+    table = machine_table(model, cache_dir=cache_dir, progress=say, again=again)
+    kept = "" if not table.get("contended") else (
+        " (contended: measured again when the machine is quiet)" if table.get("tries", 1) < TRIES
+        else f" (contended, kept after {table.get('tries', 1)} tries: `ragspec models --calibrate --force` measures it)")
+    say("table written" + kept)
     return table
 
 
@@ -118,11 +130,11 @@ def _main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
     ap.add_argument("--cache-dir", type=Path, default=None)
-    ap.add_argument("--force", action="store_true")
+    ap.add_argument("--again", action="store_true", help="the table there was measured beside another job")
     ap.add_argument("--wait-s", type=float, default=WAIT_S)
     ap.add_argument("--parent", type=int, default=None, help="the process that started the job")
     a = ap.parse_args(argv)
-    run(a.model, a.cache_dir, a.force, a.wait_s, a.parent)
+    run(a.model, a.cache_dir, a.again, a.wait_s, a.parent)
 
 
 if __name__ == "__main__":

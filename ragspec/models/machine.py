@@ -55,6 +55,7 @@ EXPECTED_ANSWER_TOKENS = 32
 ASSEMBLY = {"head": 64, "pieces": 5, "gap": 6, "tail": 24, "recompute": 4}
 BLEND = 0.5
 BUSY = 0.7  # a measurement that got less than this share of its cores ran beside another job: measured again
+TRIES = 3  # background jobs that measure a contended table again (or find the machine busy) before it is kept
 TIMEOUT_S = 1800  # per candidate; a busy 2-core machine measures Qwen2.5-0.5B float32 in about a minute
 
 
@@ -237,12 +238,13 @@ def table_path(model: str, cache_dir: Path | None = None, cpu: dict | None = Non
 
 
 def machine_table(model: str, force: bool = False, cache_dir: Path | None = None,
-                  progress: Callable[[str], None] | None = None, candidates=CANDIDATES) -> dict:
+                  progress: Callable[[str], None] | None = None, candidates=CANDIDATES, again: bool = False) -> dict:
     """The calibration table of `model` on this machine: read from the cache, else measured (each available
-    candidate in a child process) and cached. `progress(line)` hears one line per candidate."""
+    candidate in a child process) and cached. `progress(line)` hears one line per candidate. `again`: measure
+    a contended table again (try `tries` + 1 of TRIES); one another process measured quiet meanwhile is read."""
     cpu = cpu_info()
     path = table_path(model, cache_dir, cpu, candidates)
-    if not force and (table := _read_table(path)) is not None:
+    if not force and (table := _read_table(path)) is not None and not (again and table.get("contended")):
         return table
     say = progress or (lambda line: None)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -255,11 +257,33 @@ def machine_table(model: str, force: bool = False, cache_dir: Path | None = None
         except BlockingIOError:
             say("another process is calibrating this model on this machine: waiting for its table…")
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if (table := _read_table(path)) is not None:
+            if (table := _read_table(path)) is not None and not (again and table.get("contended")):
                 return table
-        if not force and (table := _read_table(path)) is not None:
+        old = _read_table(path)
+        if not force and old is not None and not (again and old.get("contended")):
+            return old
+        tries = old.get("tries", 1) + 1 if again and old is not None else 1
+        return _measure_table(model, path, cpu, candidates, say, tries)
+
+
+def busy_try(model: str, cache_dir: Path | None = None, candidates=CANDIDATES) -> dict | None:
+    """Count a background job that found the machine too busy to measure a contended table again as one of its
+    TRIES, so a machine that stays busy stops starting jobs for it. Returns the table (None: there is none)."""
+    path = table_path(model, cache_dir, cpu_info(), candidates)
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        table = _read_table(path)
+        if table is None or not table.get("contended"):
             return table
-        return _measure_table(model, path, cpu, candidates, say)
+        table["tries"] = table.get("tries", 1) + 1
+        _write_table(path, table)
+        return table
+
+
+def _write_table(path: Path, table: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(table, indent=2))
+    tmp.replace(path)
 
 
 def _read_table(path: Path) -> dict | None:
@@ -269,7 +293,7 @@ def _read_table(path: Path) -> dict | None:
         return None  # a damaged file is measured again
 
 
-def _measure_table(model: str, path: Path, cpu: dict, candidates, say: Callable[[str], None]) -> dict:
+def _measure_table(model: str, path: Path, cpu: dict, candidates, say: Callable[[str], None], tries: int = 1) -> dict:
     rows = []
     for c in candidates:
         row = {"backend": c.backend, "dtype": c.dtype}
@@ -295,13 +319,11 @@ def _measure_table(model: str, path: Path, cpu: dict, candidates, say: Callable[
     # but marked, and a pipeline that reads it has it measured again once the machine is quiet
     contended = [r["backend"] + "/" + r["dtype"] for r in rows if r.get("cpu_share", 1.0) < BUSY]
     table = {"key": path.stem, "model": model, "cpu": cpu, "context": CONTEXT, "sizes": list(SIZES),
-             "contended": contended,
+             "contended": contended, "tries": tries,
              "versions": {"python": platform.python_version(), "torch": _torch_version(),
                           "llama_cpp_python": _llama_version()},
              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "candidates": rows}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(table, indent=2))
-    tmp.replace(path)
+    _write_table(path, table)
     return table
 
 
@@ -526,10 +548,10 @@ def resolve(generator, device: str, prompt_tokens: int, answer_tokens: int, draf
     table = _read_table(path)
     if table is None and os.environ.get("RAGSPEC_CALIBRATE", "background") == "foreground":
         table = machine_table(generator.model, cache_dir=cache_dir, progress=progress)
-    if table is None or table.get("contended"):
+    if table is None or (table.get("contended") and table.get("tries", 1) < TRIES):
         from ragspec.models import calibration_job
 
-        log = calibration_job.start(generator.model, path, cache_dir, force=table is not None)
+        log = calibration_job.start(generator.model, path, cache_dir, again=table is not None)
         if log is not None and progress is not None:
             progress(("this machine's figures were measured beside another job: measuring again" if table else
                       "no measurements of this machine yet: they run in the background once it is quiet")
