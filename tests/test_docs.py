@@ -220,3 +220,10 @@ def test_docs_build_strict(tmp_path):
     assert run.returncode == 0, f"mkdocs build --strict failed:\n{run.stdout}\n{run.stderr}"
     assert (tmp_path / "site" / "index.html").is_file()
     assert (tmp_path / "site" / "serve.png").is_file(), "docs/serve.png is no longer used by the docs"
+
+
+def test_no_module_is_over_600_lines():
+    """docs/development.md: "No file in `ragspec/` is over 600 lines: one module, one job"."""
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "ragspec").rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600}
+    assert not long, long

@@ -13,8 +13,7 @@ from typer.testing import CliRunner
 from ragspec.cli import app
 from ragspec.errors import RagspecError
 from ragspec.pipeline import DECLINED, DoneEvent, Pipeline, SourcesEvent, TextEvent
-from ragspec.pipeline.pipeline import as_sources
-from ragspec.pipeline.prompt import NO_DECLINE, PromptBuilder, SourceText, system_instruction
+from ragspec.pipeline.prompt import NO_DECLINE, PromptBuilder, SourceText, as_sources, system_instruction
 from ragspec.retrieve.relevance import calibrated_floor, is_task_on_sources, resolve_gate
 from ragspec.retrieve.windows import windows
 from ragspec.settings import parse_floor

@@ -8,6 +8,7 @@ text. Sources that do not fit the budget are dropped from the lowest-ranked up, 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from ragspec.decoding.drafters.base import Segment
@@ -264,3 +265,28 @@ def _cache_units(offsets, sources: list[SourceText], where, head_end: int) -> tu
             if j > i and i >= head:
                 pieces.append((i, j))
     return head, pieces
+
+
+def as_sources(documents: Iterable[str | SourceText]) -> list[SourceText]:
+    """Documents handed to an ask (texts or SourceText) as numbered sources."""
+    out = []
+    for i, doc in enumerate(documents, 1):
+        if isinstance(doc, SourceText):
+            out.append(doc)
+        elif isinstance(doc, str):
+            out.append(SourceText(i, doc, path=f"<document {i}>"))
+        else:
+            raise RagspecError(f"document {i} is a {type(doc).__name__}, not text")
+    return out
+
+
+def prompt_as_source(tokenizer, messages: list[dict]) -> BuiltPrompt:
+    """The chat-templated prompt as one source spanning every token (drafts may copy from any of it)."""
+    if not messages:
+        raise RagspecError("the prompt is empty")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    src = SourceText(1, text, path="<prompt>")
+    chars = [a for a, _ in enc["offset_mapping"]]
+    return BuiltPrompt(ids, [src], [Segment(0, len(ids), 1)], [1] * len(ids), chars)
