@@ -266,7 +266,9 @@ def test_eval_answers_over_own_passages_writes_the_schema(tmp_path, data, spec_f
     assert 0.0 <= doc["answer_contains"] <= 1.0 and 0.0 <= doc["token_f1"] <= 1.0
     assert doc["ttft_ms_p50"] > 0 and doc["decode_tokens_per_s"] > 0
     assert doc["speedup"] is None or doc["speedup"] > 0  # budget 16 (not auto): no cost model, no estimate
+    assert doc["backend"] and doc["dtype"] and doc["date"] and "flags" in doc["cpu"]  # what ran, and where
     for row in doc["rows"]:
+        assert (row["backend"], row["dtype"]) == (doc["backend"], doc["dtype"])
         assert row["declined"] == is_declined(row["answer"])
         assert row["new_tokens"] <= 8
         assert (row["answer_contains"] is None) == (not row["answerable"])

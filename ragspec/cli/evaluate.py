@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import typer
@@ -215,6 +216,7 @@ def eval_answers(
         quiet_libraries()
         from ragspec.console import progress
         from ragspec.eval.answers import FORMATS, pick_records, read_records, record_sources, score, summarize
+        from ragspec.models.machine import cpu_info
         from ragspec.pipeline import Pipeline
         from ragspec.pipeline.prompt import STYLES
         from ragspec.spec import load_spec
@@ -300,7 +302,12 @@ def eval_answers(
                 "source_cache_select": pipe.spec.generator.source_cache_select,
                 "source_cache_temperature": pipe.spec.generator.source_cache_temperature,
                 "drafting": pipe.spec.drafting.method, "max_new_tokens": pipe.spec.generator.max_new_tokens,
-                "sources": "retrieved from " + str(retrieve) if retrieve else "the record's own passages"}
+                "sources": "retrieved from " + str(retrieve) if retrieve else "the record's own passages",
+                # what ran, and where: paired runs compare answers, and their timings only on one machine
+                "backend": pipe.choice.backend if pipe.choice else None,
+                "dtype": pipe.choice.dtype if pipe.choice else None,
+                "cpu": {k: v for k, v in cpu_info().items() if k in ("model", "flags", "threads")},
+                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         rows = []
         with progress() as bar:
             task = bar.add_task(f"{fmt} × {len(records)}", total=len(records))
@@ -318,7 +325,7 @@ def eval_answers(
             f"{fmt} · {r['records']} records ({r['answerable']} answerable) · style {r['style']} · {r['model']}\n"
             f"answer contains {f(r['answer_contains'])} · token F1 {f(r['token_f1'])} · refusal "
             f"{f(r['refusal_rate'])} · false refusal {f(r['false_refusal_rate'])} · citation coverage "
-            f"{f(r['citation_coverage'])}\n"
+            f"{f(r['citation_coverage'])} · {r['backend']}/{r['dtype']}\n"
             f"prompt {f(r['mean_prompt_tokens'], '{:.0f}')} tokens ({f(r['mean_source_tokens'], '{:.0f}')} of "
             f"sources; source budget {r['source_tokens'] or 'off'}; source cache "
             f"{'on, ' + f(r['mean_cache_reused_tokens'], '{:.0f}') + ' reused' if r['source_cache'] else 'off'}) · "

@@ -276,6 +276,7 @@ def score(rec: QARecord, answer) -> dict:
         "cache_reused_tokens": s.cache_reused_tokens, "cache_computed_tokens": s.cache_computed_tokens,
         "speedup_estimate": None if s.speedup_estimate is None else round(s.speedup_estimate, 3),
         "finish_reason": s.finish_reason, "relevance": None if s.relevance is None else round(s.relevance, 4),
+        "backend": s.backend, "dtype": s.dtype,
     }
     if row["citation_coverage"] is not None:
         row["citation_coverage"] = round(row["citation_coverage"], 4)
