@@ -201,7 +201,7 @@ def test_loads_together_measure_t_n_once(smol, tmp_path, monkeypatch):
 
 def test_t_n_measured_beside_another_job_is_measured_again(smol, tmp_path, monkeypatch):
     """t(n) measured while other processes take the cores (spinning ones here, as a calibration job or a second
-    ask would) is not kept as the machine's: it is marked, the next load measures again, and after ATTEMPTS
+    ask would) is not kept as the machine's: it is marked, the next load measures again, and after TRIES
     contended tries the figures are kept without measuring."""
     import json
     import os
@@ -209,7 +209,7 @@ def test_t_n_measured_beside_another_job_is_measured_again(smol, tmp_path, monke
     import sys
     import time
 
-    from ragspec.decoding.backends import ATTEMPTS, BUSY, calibrate
+    from ragspec.decoding.backends import BUSY, TRIES, calibrate
 
     model, _ = smol
     args = dict(context=256, repeats=3, cache_dir=tmp_path, sizes=(1, 2, 4, 8, 16))
@@ -224,18 +224,18 @@ def test_t_n_measured_beside_another_job_is_measured_again(smol, tmp_path, monke
             p.wait()
     (path,) = tmp_path.glob("*.json")
     first = json.loads(path.read_text())
-    assert first["contended"] and first["cpu_share"] < BUSY and first["attempts"] == 1, first
+    assert first["contended"] and first["cpu_share"] < BUSY and first["tries"] == 1, first
     assert any("another job ran): measuring again" in line for line in busy_lines), busy_lines
     assert "measured again at the next load" in busy_lines[-1]
 
     quiet_lines = []
     calibrate(model, progress=quiet_lines.append, **args)  # the machine is quiet now: measured again
     second = json.loads(path.read_text())
-    assert "measuring this model's step cost again" in quiet_lines[0] and second["attempts"] == 2
+    assert "measuring this model's step cost again" in quiet_lines[0] and second["tries"] == 2
     assert second["cpu_share"] > first["cpu_share"]
 
-    # a table contended on every try is kept after ATTEMPTS of them: read, not measured
-    path.write_text(json.dumps(second | {"contended": True, "cpu_share": 0.4, "attempts": ATTEMPTS}))
+    # a table contended on every try is kept after TRIES of them: read, not measured
+    path.write_text(json.dumps(second | {"contended": True, "cpu_share": 0.4, "tries": TRIES}))
     monkeypatch.setattr(TransformersBackend, "measure_costs", staticmethod(lambda *a: pytest.fail("re-measured")))
     cost = calibrate(model, **args)
     assert cost.ms == second["ms"]

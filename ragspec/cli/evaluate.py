@@ -359,8 +359,9 @@ def eval_compare(
         from rich.table import Table
 
         def setting(m):
+            ran = f"/{m['backend']}/{m['dtype']}" if m.get("dtype") else ""  # runs before 2026-11-28 lack it
             return (f"source budget {m.get('source_tokens') or 'off'}, source cache "
-                    f"{'on' if m.get('source_cache') else 'off'}, {m.get('model')}")
+                    f"{'on' if m.get('source_cache') else 'off'}, {m.get('model')}{ran}")
 
         t = Table(title=f"{before} ({setting(meta_a)})  →  {after} ({setting(meta_b)})",
                   title_justify="left")

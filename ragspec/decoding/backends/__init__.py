@@ -60,7 +60,7 @@ def cost_key(model) -> str:
 
 
 BUSY = 0.7  # a t(n) measurement that got less than this share of its cores ran beside another job
-ATTEMPTS = 3  # loads that measure a contended table again before it is kept as it is
+TRIES = 3  # loads that measure contended figures (again) before they are kept as they are
 
 
 def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | None = None, force: bool = False,
@@ -70,7 +70,7 @@ def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | Non
     `progress(line)` hears when it measures (8 s for the 0.5B, 14 s for the 1.5B on dtype gguf, 2 cores).
     Figures measured beside another job (under BUSY of the process's cores, measured again at once) would plan
     every later ask's drafts with a slow machine's costs: they are kept marked, and the next loads measure again,
-    ATTEMPTS in all, keeping the least contended."""
+    TRIES in all, keeping the least contended."""
     backend = backend_class(model)
     folder = cache_dir or ragspec_home() / "calibration"
     path = folder / f"{backend.cost_key(model)}.json"
@@ -88,26 +88,26 @@ def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | Non
         say(f"measuring this model's step cost for the draft budget once (forwards of {sizes[0]}-{sizes[-1]} "
             f"tokens; kept in {path})" if old is None else
             f"measuring this model's step cost again: the kept figures were measured beside another job "
-            f"({old['cpu_share']:.0%} of the cores; attempt {old.get('attempts', 1) + 1} of {ATTEMPTS})")
+            f"({old['cpu_share']:.0%} of the cores; try {old.get('tries', 1) + 1} of {TRIES})")
         threads = _cpu_threads(model)
         ms, share = _measure(backend, model, context, repeats, sizes, threads)
         if share is not None and share < BUSY:
             say(f"the step cost measurement got {share:.0%} of its cores (another job ran): measuring again…")
             ms, share = max((ms, share), _measure(backend, model, context, repeats, sizes, threads),
                             key=lambda r: r[1])
-        attempts = old.get("attempts", 1) + 1 if old is not None else 1
+        tries = old.get("tries", 1) + 1 if old is not None else 1
         if old is not None and share is not None and old["cpu_share"] > share:  # the old figures were less disturbed
             ms, share = old["ms"], old["cpu_share"]
         contended = share is not None and share < BUSY
         data = CostModel(list(sizes), ms).as_dict() | {
             "context": context, "key": path.stem, "backend": backend.name, "threads": threads,
-            "cpu_share": share, "contended": contended, "attempts": attempts}
+            "cpu_share": share, "contended": contended, "tries": tries}
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(data, indent=2))
         tmp.replace(path)
         if contended:
             say(f"the step cost was measured beside another job ({share:.0%} of the cores): used for now, "
-                + ("measured again at the next load" if attempts < ATTEMPTS else f"kept after {attempts} tries"))
+                + ("measured again at the next load" if tries < TRIES else f"kept after {tries} tries"))
     return _costs(data)
 
 
@@ -133,7 +133,7 @@ def _measure(backend, model, context, repeats, sizes, threads) -> tuple[list[flo
 
 
 def _measure_again(data: dict) -> bool:
-    return bool(data.get("contended")) and data.get("attempts", 1) < ATTEMPTS
+    return bool(data.get("contended")) and data.get("tries", 1) < TRIES
 
 
 def _read(path: Path) -> dict | None:
