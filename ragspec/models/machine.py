@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 from ragspec.cpu_flags import flags_hash, read_cpuinfo
 from ragspec.errors import RagspecError
-from ragspec.paths import ragspec_home
+from ragspec.paths import ragspec_home, read_json, write_json
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
@@ -244,7 +244,7 @@ def machine_table(model: str, force: bool = False, cache_dir: Path | None = None
     a contended table again (try `tries` + 1 of TRIES); one another process measured quiet meanwhile is read."""
     cpu = cpu_info()
     path = table_path(model, cache_dir, cpu, candidates)
-    if not force and (table := _read_table(path)) is not None and not (again and table.get("contended")):
+    if not force and _settled(table := read_json(path), again):
         return table
     say = progress or (lambda line: None)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -257,10 +257,10 @@ def machine_table(model: str, force: bool = False, cache_dir: Path | None = None
         except BlockingIOError:
             say("another process is calibrating this model on this machine: waiting for its table…")
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if (table := _read_table(path)) is not None and not (again and table.get("contended")):
+            if _settled(table := read_json(path), again):
                 return table
-        old = _read_table(path)
-        if not force and old is not None and not (again and old.get("contended")):
+        old = read_json(path)
+        if not force and _settled(old, again):
             return old
         tries = old.get("tries", 1) + 1 if again and old is not None else 1
         return _measure_table(model, path, cpu, candidates, say, tries)
@@ -272,25 +272,18 @@ def busy_try(model: str, cache_dir: Path | None = None, candidates=CANDIDATES) -
     path = table_path(model, cache_dir, cpu_info(), candidates)
     with open(path.with_name(f".{path.name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        table = _read_table(path)
+        table = read_json(path)
         if table is None or not table.get("contended"):
             return table
         table["tries"] = table.get("tries", 1) + 1
-        _write_table(path, table)
+        write_json(path, table)
         return table
 
 
-def _write_table(path: Path, table: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(table, indent=2))
-    tmp.replace(path)
+def _settled(table: dict | None, again: bool) -> bool:
+    """A table to read as it is: there is one, and it is not a contended one a job was asked to measure again."""
+    return table is not None and not (again and table.get("contended"))
 
-
-def _read_table(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text()) if path.exists() else None
-    except (OSError, ValueError):
-        return None  # a damaged file is measured again
 
 
 def _measure_table(model: str, path: Path, cpu: dict, candidates, say: Callable[[str], None], tries: int = 1) -> dict:
@@ -323,7 +316,7 @@ def _measure_table(model: str, path: Path, cpu: dict, candidates, say: Callable[
              "versions": {"python": platform.python_version(), "torch": _torch_version(),
                           "llama_cpp_python": _llama_version()},
              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "candidates": rows}
-    _write_table(path, table)
+    write_json(path, table)
     return table
 
 
@@ -545,7 +538,7 @@ def resolve(generator, device: str, prompt_tokens: int, answer_tokens: int, draf
         return Choice(c.backend, c.dtype, "the only candidate here" + (f" ({'; '.join(left_out)})" if left_out else ""))
     # the whole table (every candidate), so pipelines of other settings on this machine share one file
     path = table_path(generator.model, cache_dir, cpu)
-    table = _read_table(path)
+    table = read_json(path)
     if table is None and os.environ.get("RAGSPEC_CALIBRATE", "background") == "foreground":
         table = machine_table(generator.model, cache_dir=cache_dir, progress=progress)
     if table is None or (table.get("contended") and table.get("tries", 1) < TRIES):

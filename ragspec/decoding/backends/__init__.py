@@ -5,13 +5,11 @@ llama-cpp-python). The loop asks `make_backend` for one per generation; nothing 
 from __future__ import annotations
 
 import fcntl
-import json
-import os
 from pathlib import Path
 
 from ragspec.decoding.backends.base import Backend, StepResult
 from ragspec.decoding.budget import SIZES, CostModel
-from ragspec.paths import ragspec_home
+from ragspec.paths import ragspec_home, read_json, write_json
 
 NAMES = ("transformers", "llama.cpp")
 
@@ -74,7 +72,7 @@ def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | Non
     backend = backend_class(model)
     folder = cache_dir or ragspec_home() / "calibration"
     path = folder / f"{backend.cost_key(model)}.json"
-    if not force and (data := _read(path)) is not None and not _measure_again(data):
+    if not force and (data := read_json(path)) is not None and not _measure_again(data):
         return _costs(data)
     folder.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda line: None)
@@ -82,7 +80,7 @@ def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | Non
     # would each measure beside the other, slowly and wrongly; the second waits and reads the first's figures
     with open(folder / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        old = None if force else _read(path)
+        old = None if force else read_json(path)
         if old is not None and not _measure_again(old):
             return _costs(old)
         say(f"measuring this model's step cost for the draft budget once (forwards of {sizes[0]}-{sizes[-1]} "
@@ -102,9 +100,7 @@ def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | Non
         data = CostModel(list(sizes), ms).as_dict() | {
             "context": context, "key": path.stem, "backend": backend.name, "threads": threads,
             "cpu_share": share, "contended": contended, "tries": tries}
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=2))
-        tmp.replace(path)
+        write_json(path, data)
         if contended:
             say(f"the step cost was measured beside another job ({share:.0%} of the cores): used for now, "
                 + ("measured again at the next load" if tries < TRIES else f"kept after {tries} tries"))
@@ -134,13 +130,6 @@ def _measure(backend, model, context, repeats, sizes, threads) -> tuple[list[flo
 
 def _measure_again(data: dict) -> bool:
     return bool(data.get("contended")) and data.get("tries", 1) < TRIES
-
-
-def _read(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text()) if path.exists() else None
-    except (OSError, ValueError):
-        return None  # a damaged file is measured again
 
 
 def _costs(data: dict) -> CostModel:
