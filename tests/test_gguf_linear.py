@@ -48,7 +48,10 @@ TOP = {"u4": 16, "u5": 32, "u6": 64, "u4k": 16}
 SUPER = ("u6", "u4k", "u4k8")  # K-quants: super-blocks of 256 inputs
 
 
-def random_linear(fmt: str, rows: int, cols: int, seed: int = 0, bias: bool = False) -> GGUFLinear:
+def random_linear(fmt: str, rows: int, cols: int, seed: int = 0, bias: bool = False,
+                  rule: bool | None = False) -> GGUFLinear:
+    """`fmt` "u4k8": u4k weights on the Q8_K rule; "u4k" on the group rule, or with `rule` None as the machine's
+    default decides."""
     rng = np.random.default_rng(seed)
     g = cols // GROUP
     superblock = fmt == "u4k8"
@@ -68,7 +71,7 @@ def random_linear(fmt: str, rows: int, cols: int, seed: int = 0, bias: bool = Fa
         d = (rng.random((rows, g)) * 0.01).astype(np.float32)
         m = (-rng.random((rows, g)) * 0.05).astype(np.float32)
     b = torch.randn(rows) if bias else None
-    return GGUFLinear(fmt, q, d, m, b, prompt_copy=False, superblock=superblock or None)  # None: as the env says
+    return GGUFLinear(fmt, q, d, m, b, prompt_copy=False, superblock=True if superblock else rule)
 
 
 @pytest.mark.parametrize("fmt", PACKED)
@@ -360,21 +363,28 @@ def test_logits_follow_the_float_model(smol_gguf):
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.97
 
 
-def test_q8k_rule_is_opt_in_and_kept_where_the_fused_mlp_can_run_it(monkeypatch):
-    """RAGSPEC_GGUF_Q8K=1 puts Q4_K linears (only) on the Q8_K activation rule; the fused MLP quantizes x once for
-    gate and up, so it keeps the rule only where both take it, and its down (input quantized a group at a time)
-    on the group rule."""
+def test_q8k_rule_is_on_where_amx_runs_and_kept_where_the_fused_mlp_can_run_it(monkeypatch):
+    """Q4_K linears (only) take the Q8_K activation rule where the kernels drive AMX tiles, or as
+    RAGSPEC_GGUF_Q8K=0/1 says; the fused MLP quantizes x once for gate and up, so it keeps the rule only where both
+    take it, and its down (input quantized a group at a time) on the group rule."""
     from ragspec.models.fused_layers import FusedMLP
-    from ragspec.models.gguf_linear import FORMATS, SUPERBLOCK
+    from ragspec.models.gguf_kernel import amx_expected
+    from ragspec.models.gguf_linear import FORMATS, SUPERBLOCK, superblock_activations
 
-    assert random_linear("u4k", 16, 256).code == FORMATS["u4k"]
+    monkeypatch.delenv("RAGSPEC_GGUF_Q8K", raising=False)
+    assert random_linear("u4k", 16, 256, rule=None).code == (SUPERBLOCK if amx_expected() else FORMATS["u4k"])
+    monkeypatch.setenv("RAGSPEC_GGUF_AMX", "0")
+    assert not amx_expected() and not superblock_activations()
+    monkeypatch.setenv("RAGSPEC_GGUF_Q8K", "0")
+    monkeypatch.delenv("RAGSPEC_GGUF_AMX")
+    assert random_linear("u4k", 16, 256, rule=None).code == FORMATS["u4k"]
     monkeypatch.setenv("RAGSPEC_GGUF_Q8K", "1")
-    assert random_linear("u4k", 16, 256).code == SUPERBLOCK
-    assert random_linear("u5", 16, 256).code == FORMATS["u5"]
+    assert random_linear("u4k", 16, 256, rule=None).code == SUPERBLOCK
+    assert random_linear("u5", 16, 256, rule=None).code == FORMATS["u5"]
 
     def mlp(gate, up, down):
         m = torch.nn.Module()
-        m.gate_proj, m.up_proj, m.down_proj = (random_linear(f, n, k, seed=s) for f, n, k, s in
+        m.gate_proj, m.up_proj, m.down_proj = (random_linear(f, n, k, seed=s, rule=None) for f, n, k, s in
                                                ((gate, 256, 256, 1), (up, 256, 256, 2), (down, 48, 256, 3)))
         m.act_fn = torch.nn.functional.silu
         return FusedMLP(m)

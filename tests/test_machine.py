@@ -374,3 +374,30 @@ def test_a_contended_table_is_measured_again_three_tries_at_most(tmp_path, monke
     quiet = json.loads(path.read_text()) | {"contended": [], "tries": 1}
     path.write_text(json.dumps(quiet))
     assert machine.machine_table(SMOL, cache_dir=tmp_path, again=True) == quiet
+
+
+def test_measuring_again_keeps_each_candidates_least_disturbed_figures(tmp_path, monkeypatch):
+    """A try that finds the machine busier than the last keeps the last try's figures for that candidate: a
+    contended table measured again never gets worse. (The measurement is stubbed with the share of its cores
+    each try got: here the merge is under test, not the timing, which test_static_verifier measures beside real
+    spinning processes.)"""
+    pool = pool_here("auto")
+    if len(pool) < 2:
+        pytest.skip("one candidate here")
+    path = machine.table_path(SMOL, tmp_path, candidates=pool)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shares = [0.95, 0.5] + [0.5] * (len(pool) - 2)  # the first was measured quietly, the others were not
+    before = [row(c.backend, c.dtype, 100.0, [10.0, 11, 12, 13, 14]) | {"cpu_share": s} for c, s in zip(pool, shares)]
+    path.write_text(json.dumps({"sizes": [1, 2, 4, 8, 16], "contended": [c.name for c in pool[1:]], "tries": 1,
+                               "candidates": before}))
+    now = {pool[0].name: 0.6, pool[1].name: 0.8}  # busier than the last try for the first, quieter for the second
+    monkeypatch.setattr(machine, "_measure_in_child", lambda model, c, threads: {
+        "prefill_tps": 50.0, "ms": [20.0, 21, 22, 23, 24], "cpu_share": now.get(c.name, 0.4)})
+    lines = []
+    table = machine.machine_table(SMOL, cache_dir=tmp_path, again=True, progress=lines.append, candidates=pool)
+    got = {(r["backend"], r["dtype"]): r for r in table["candidates"]}
+    first, second = got[(pool[0].backend, pool[0].dtype)], got[(pool[1].backend, pool[1].dtype)]
+    assert (first["cpu_share"], first["prefill_tps"]) == (0.95, 100.0)  # kept
+    assert (second["cpu_share"], second["prefill_tps"]) == (0.8, 50.0)  # measured again, quieter
+    assert table["tries"] == 2 and pool[0].name not in table["contended"]
+    assert any("keeping the last try's figures" in line for line in lines)

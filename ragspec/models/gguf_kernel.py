@@ -38,6 +38,17 @@ def build_key() -> str:
     return f"gguf-{flags_hash()}-{source_digest()}"
 
 
+def amx_expected() -> bool:
+    """Whether the kernels will drive AMX tiles here: the CPU has AMX-INT8 (so `-march=native` builds the tile
+    pass) and RAGSPEC_GGUF_AMX is not 0. Read from the flags, without loading the kernels, so a cache key can
+    name it."""
+    import os
+
+    from ragspec.cpu_flags import cpu_flags
+
+    return {"amx_tile", "amx_int8"} <= cpu_flags() and os.environ.get("RAGSPEC_GGUF_AMX", "1") != "0"
+
+
 @functools.lru_cache(maxsize=1)
 def load_kernels():
     """`torch.ops.ragspec_gguf`, built here first if this CPU has no build of this source yet."""
