@@ -393,6 +393,9 @@ def test_q8k_rule_is_on_where_amx_runs_and_kept_where_the_fused_mlp_can_run_it(m
     assert (both.gate_proj.code, both.up_proj.code, both.down_proj.code) == (SUPERBLOCK, SUPERBLOCK, FORMATS["u4k"])
     mixed = mlp("u4k", "u5", "u6")
     assert (mixed.gate_proj.code, mixed.up_proj.code) == (FORMATS["u4k"], FORMATS["u5"])
+    from ragspec.models.gguf_linear import kernels_key
+
+    assert kernels_key(both).endswith("-q8k") and not kernels_key(mixed).endswith("-q8k")  # t(n) measured apart
     x = torch.randn(5, 256)
     with torch.inference_mode():
         ref = both.down_proj(torch.nn.functional.silu(both.gate_proj(x)) * both.up_proj(x))

@@ -380,6 +380,13 @@ def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | None = N
     from ragspec.models.gguf_kernel import source_digest
 
     model.ragspec_gguf = done
-    # in the t(n) cost key: another build of the kernels, or another activation rule, costs otherwise
-    model.ragspec_kernels = source_digest() + ("-q8k" if superblock_activations() else "")
+    model.ragspec_kernels = source_digest()
     return done
+
+
+def kernels_key(model: nn.Module) -> str:
+    """For the t(n) cost key: another build of the kernels, or Q4_K linears on the other activation rule, cost
+    otherwise. Read from the linears as they run (the fused MLPs keep the rule only for gate/up pairs), so a
+    model that has none on it (the 0.5B, SmolLM2) keeps its key."""
+    q8k = any(isinstance(m, GGUFLinear) and m.code == SUPERBLOCK for m in model.modules())
+    return getattr(model, "ragspec_kernels", "") + ("-q8k" if q8k else "")
