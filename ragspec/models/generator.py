@@ -74,6 +74,9 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
         from ragspec.models.fused_layers import fuse_layers
 
         fuse_layers(model)  # MLPs and RMSNorms: one kernel call each
+        from ragspec.models.gguf_linear import kernels_key
+
+        model.ragspec_kernels = kernels_key(model)  # in the t(n) cost key, as the linears now run
     pack_linears(model)  # CPU only; a no-op elsewhere
     quantized = ("int8", "gguf", "bfloat16", "float16")
     if device == "cpu" and dtype in quantized and os.environ.get("RAGSPEC_EXACT_ATTENTION") != "0":

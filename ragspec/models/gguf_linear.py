@@ -389,4 +389,6 @@ def kernels_key(model: nn.Module) -> str:
     otherwise. Read from the linears as they run (the fused MLPs keep the rule only for gate/up pairs), so a
     model that has none on it (the 0.5B, SmolLM2) keeps its key."""
     q8k = any(isinstance(m, GGUFLinear) and m.code == SUPERBLOCK for m in model.modules())
-    return getattr(model, "ragspec_kernels", "") + ("-q8k" if q8k else "")
+    from ragspec.models.gguf_kernel import source_digest
+
+    return source_digest() + ("-q8k" if q8k else "")

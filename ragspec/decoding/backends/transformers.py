@@ -342,9 +342,7 @@ class TransformersBackend:
         packed = "-packed" if getattr(model, "ragspec_packed_linears", 0) else ""  # other kernels, other costs
         int8 = f"-int8-{model.ragspec_int8}" if getattr(model, "ragspec_int8", "") else ""  # float32 parameters
         if getattr(model, "ragspec_gguf", None):  # GGUF blocks, float32 parameters, ragspec's kernels of this build
-            from ragspec.models.gguf_linear import kernels_key
-
-            int8 += f"-gguf-{kernels_key(model)}"
+            int8 += f"-gguf-{getattr(model, 'ragspec_kernels', '')}"
         attn = getattr(model.config, "_attn_implementation", None)
         attn = f"-{attn}" if attn and attn != "sdpa" else ""  # ragspec's own attention kernels cost otherwise
         return (f"{getattr(model.config, 'model_type', 'model')}-{h}-{dev.type}-{str(dtype).split('.')[-1]}"
