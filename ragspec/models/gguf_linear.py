@@ -377,10 +377,7 @@ def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | None = N
         done[target] = b.gguf_type
     if not done:
         raise RagspecError(f"generator dtype gguf: no linear of {gguf_file} matched the model")
-    from ragspec.models.gguf_kernel import source_digest
-
-    model.ragspec_gguf = done
-    model.ragspec_kernels = source_digest()
+    model.ragspec_gguf = done  # the t(n) cost key's kernels part: kernels_key, once the MLPs are fused
     return done
 
 
