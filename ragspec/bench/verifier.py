@@ -12,7 +12,9 @@ blocks, 24 layers as a step does; `--head` adds the 151,936-row head) through `r
 row count and prints ms and GOP/s. `--amx N` (CPUs with AMX) runs dtype gguf with the kernel's AMX tiles off and on
 in turn, prefills and steps, and prints the per-pair ratio and whether the logits were the same bits. `--q8k N`
 likewise switches the Q4_K linears between the group activation rule and llama.cpp's Q8_K rule (u4k8; other
-numerics, so it prints the largest logit difference too).
+numerics, so it prints the largest logit difference too). `--prompt-copy N` switches every linear's prompt
+chunks between the integer kernel and the opt-in bf16 prompt copy (`RAGSPEC_GGUF_PROMPT`); oneDNN runs the copy
+with AMX only when `ONEDNN_MAX_CPU_ISA=AVX512_CORE_AMX` is set before the run (ragspec caps it otherwise).
 """
 
 from __future__ import annotations
@@ -122,6 +124,34 @@ def q8k_pairs(model: str, rounds: int) -> None:
     switch(0)
 
 
+def prompt_copy_pairs(model: str, rounds: int) -> None:
+    """dtype gguf loaded with the bf16 prompt copy, its prompt chunks switched between the integer kernel (0) and
+    the copy (1); one-token steps use the integer kernel either way."""
+    import os
+    from unittest import mock
+
+    from ragspec.models.fused_layers import FusedMLP
+    from ragspec.models.generator import load_generator
+    from ragspec.models.gguf_linear import GGUFLinear
+
+    with mock.patch.dict(os.environ, {"RAGSPEC_GGUF_PROMPT": "1"}):
+        hf, _ = load_generator(model, "cpu", "gguf")
+    linears = {m: m.prompt for m in hf.modules() if isinstance(m, GGUFLinear) and m.prompt is not None}
+    mlps = [m for m in hf.modules() if isinstance(m, FusedMLP)]
+    print(json.dumps({"onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"), "copies": len(linears),
+                      "copy_gb": round(sum(m.nbytes()[1] for m in linears) / 1e9, 2)}), flush=True)
+    if not linears:
+        raise SystemExit("no prompt copy here: it needs native bf16 and oneDNN's bf16 packing")
+
+    def switch(mode):
+        for m, copy in linears.items():
+            m.prompt = copy if mode else None
+        for m in mlps:
+            m._prompt = bool(mode)
+
+    switched_pairs(hf, rounds, switch, ("int_ms", "copy_ms"), sizes=(1,))
+
+
 def switched_pairs(hf, rounds: int, switch, names, prompts=(353, 1024), sizes=(1, 16, 64), steps: int = 20) -> None:
     """Runs alternated in one process between `switch(0)` and `switch(1)`: prefill of each prompt length in the
     backend's 512-token chunks, then single steps of each size over a 1,024-token context. One JSON line per
@@ -228,6 +258,8 @@ def main(argv=None) -> None:
                    help="dtype gguf with the AMX tiles off and on, N prefills of each in turn (then steps)")
     p.add_argument("--q8k", type=int, default=0, metavar="N",
                    help="dtype gguf's Q4_K linears on the group and the Q8_K activation rule, N prefills of each")
+    p.add_argument("--prompt-copy", type=int, default=0, metavar="N",
+                   help="dtype gguf's prompt chunks on the integer kernel and on the bf16 prompt copy, N of each")
     args = p.parse_args(argv)
     flags = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))))
     print(json.dumps({"utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -238,6 +270,8 @@ def main(argv=None) -> None:
         amx_pairs(args.model, args.amx)
     elif args.q8k:
         q8k_pairs(args.model, args.q8k)
+    elif args.prompt_copy:
+        prompt_copy_pairs(args.model, args.prompt_copy)
     elif args.interleave:
         interleaved(args.model, args.interleave)
     else:
