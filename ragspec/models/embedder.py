@@ -124,13 +124,12 @@ def load_embedder(name: str, device: str = "cpu", dtype: str = "auto", max_token
         else:
             from sentence_transformers import SentenceTransformer
 
-            model = SentenceTransformer(source, device=device, model_kwargs={"dtype": dt})
+            model = SentenceTransformer(source, device=device, model_kwargs={"dtype": dt}).eval()
             config = model[0].auto_model.config
     except RagspecError:
         raise
     except Exception as exc:  # transformers / hub errors: one line for the user
         raise hub_error(name, "embedder", exc) from exc
-    model.eval()
     if max_tokens is not None:
         limit = getattr(config, "max_position_embeddings", 512)
         model.max_seq_length = min(max(model.max_seq_length, max_tokens + 2), limit)

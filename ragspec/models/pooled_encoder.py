@@ -47,7 +47,7 @@ def plain_pooling(folder: Path) -> tuple[str, int, bool] | None:
     if st.get("prompts") or st.get("default_prompt_name") or st.get("model_type", "SentenceTransformer") != \
             "SentenceTransformer":
         return None
-    pooling = _read(folder / modules[1]["path"] / "config.json")
+    pooling = _read(folder / str(modules[1].get("path")) / "config.json")  # no path: no config, not plain
     on = [k for k, v in pooling.items() if k.startswith("pooling_mode") and v is True]
     mode = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}.get(on[0]) if len(on) == 1 else None
     if mode is None or pooling.get("include_prompt") is False:
@@ -69,9 +69,6 @@ class PooledEncoder:
 
     def get_embedding_dimension(self) -> int:
         return int(self.auto_model.config.hidden_size)
-
-    def eval(self) -> PooledEncoder:
-        return self
 
     def encode(self, texts: Sequence[str], batch_size: int = 32, normalize_embeddings: bool = True,
                **_ignored) -> np.ndarray:
