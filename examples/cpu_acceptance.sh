@@ -31,14 +31,18 @@ QUESTION="What does the global statement do?"
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(flags verifier bench ttft first)
 
+stop_jobs() {  # the background calibrations asks start (and the measurement each runs): left running, one waits 15
+  # minutes for a quiet machine, then measures anyway, beside the next stage (a Zen 4 bench of 2026-11-28 ran beside one)
+  pkill -f ragspec.models.calibration_job 2>/dev/null || true
+  pkill -f ragspec.models.machine 2>/dev/null || true
+}
+
 run() {  # run CMD… > FILE (DRY=1: print it)
   local file=$1; shift
   echo "+ $* > $file"
   [ -n "${DRY:-}" ] && return 0
   { echo "# $(date -u +%FT%TZ) $*"; "$@"; } > "$file" 2>&1 || echo "  failed: see $file"
-  # a background table job (and the measurement it runs) would time itself into the next stage
-  pkill -f ragspec.models.calibration_job 2>/dev/null || true
-  pkill -f ragspec.models.machine 2>/dev/null || true
+  stop_jobs
 }
 
 pipeline_of() { [ "$1" = "$SMALL" ] && echo pipelines/default.yaml || echo pipelines/accurate.yaml; }
@@ -63,7 +67,7 @@ first_asks() {  # $1 model: a fresh home (models linked: weights converted, bloc
     local t0=$SECONDS
     RAGSPEC_HOME=$home $RS ask "$QUESTION" --index indexes/pydoc-topics --pipeline "$pipe" --json > "$OUT/first-$1-$kind.json"
     echo "$kind ask: $((SECONDS - t0)) s (whole process)"
-    pkill -f ragspec.models.calibration_job 2>/dev/null || true
+    stop_jobs
   done
   rm -rf "$home" && mkdir -p "$home" && ln -s "${RAGSPEC_HOME:-$HOME/.cache/ragspec}/models" "$home/models"
   local t0=$SECONDS
@@ -71,17 +75,13 @@ first_asks() {  # $1 model: a fresh home (models linked: weights converted, bloc
   RAGSPEC_HOME=$home $RS ask "$QUESTION" --index indexes/pydoc-topics --pipeline "$pipe" --json > /dev/null &
   wait
   echo "two first asks at once: $((SECONDS - t0)) s"
-  pkill -f ragspec.models.calibration_job 2>/dev/null || true
+  stop_jobs
   t0=$SECONDS
   RAGSPEC_HOME=$home $RS ask "$QUESTION" --index indexes/pydoc-topics --pipeline "$pipe" --json > /dev/null &
   RAGSPEC_HOME=$home $RS ask "$QUESTION" --index indexes/pydoc-topics --pipeline "$pipe" --json > /dev/null &
   wait
   echo "two warm asks at once: $((SECONDS - t0)) s"
-  # each ask on a home without a table starts a background calibration that waits up to 15 minutes for a quiet
-  # machine, then measures anyway: left running, it would measure beside the next stage (the bench of
-  # 2026-11-28 on a Zen 4 ran beside one); its child (ragspec.models.machine) goes with it
-  pkill -f ragspec.models.calibration_job 2>/dev/null || true
-  pkill -f ragspec.models.machine 2>/dev/null || true
+  stop_jobs
 }
 
 [ -z "${DRY:-}" ] && mkdir -p "$OUT"

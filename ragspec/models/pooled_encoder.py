@@ -47,7 +47,9 @@ def plain_pooling(folder: Path) -> tuple[str, int, bool] | None:
     if st.get("prompts") or st.get("default_prompt_name") or st.get("model_type", "SentenceTransformer") != \
             "SentenceTransformer":
         return None
-    pooling = _read(folder / str(modules[1].get("path")) / "config.json")  # no path: no config, not plain
+    if not modules[1].get("path"):  # a pooling without its config: not one we can read as plain
+        return None
+    pooling = _read(folder / modules[1]["path"] / "config.json")
     on = [k for k, v in pooling.items() if k.startswith("pooling_mode") and v is True]
     mode = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}.get(on[0]) if len(on) == 1 else None
     if mode is None or pooling.get("include_prompt") is False:
