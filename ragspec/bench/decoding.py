@@ -22,7 +22,7 @@ import torch
 
 from ragspec.cpu_flags import read_cpuinfo
 from ragspec.decoding.backends import calibrate, describe, is_llama
-from ragspec.decoding.backends.base import PREFILL_CHUNK
+from ragspec.decoding.backends.transformers import generate_kwargs
 from ragspec.decoding.budget import AdaptiveBudget
 from ragspec.decoding.drafters import METHODS, make_drafter
 from ragspec.decoding.drafters.base import DraftState
@@ -149,9 +149,9 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 def hf_generate(model, prompt: list[int], max_new: int, eos: list[int], lookup: int = 0) -> tuple[list[int], float]:
     # plain greedy prefills in the chunks ragspec's backend uses (same kernels, same numerics); HF's assisted
     # decoding has no chunked prefill
-    kw = {"prompt_lookup_num_tokens": lookup} if lookup else {"prefill_chunk_size": PREFILL_CHUNK}
     ids = torch.tensor([prompt], device=model.device)
     t = time.perf_counter()
+    kw = {"prompt_lookup_num_tokens": lookup} if lookup else generate_kwargs(model, prompt)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
                              eos_token_id=eos, pad_token_id=eos[0], **kw)

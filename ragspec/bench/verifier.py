@@ -15,6 +15,8 @@ likewise switches the Q4_K linears between the group activation rule and llama.c
 numerics, so it prints the largest logit difference too). `--prompt-copy N` switches every linear's prompt
 chunks between the integer kernel and the opt-in bf16 prompt copy (`RAGSPEC_GGUF_PROMPT`); oneDNN runs the copy
 with AMX only when `ONEDNN_MAX_CPU_ISA=AVX512_CORE_AMX` is set before the run (ragspec caps it otherwise).
+`--int8-prompt N` likewise switches prompt reads between the integer kernel and the int8 prompt copy
+(`RAGSPEC_GGUF_PROMPT=int8`), prefills only (steps never read the copy), and prints the copy's size.
 """
 
 from __future__ import annotations
@@ -152,6 +154,39 @@ def prompt_copy_pairs(model: str, rounds: int) -> None:
     switched_pairs(hf, rounds, switch, ("int_ms", "copy_ms"), sizes=(1,))
 
 
+def int8_prompt_pairs(model: str, rounds: int) -> None:
+    """dtype gguf loaded with the int8 prompt copy (RAGSPEC_GGUF_PROMPT=int8), prefills read as prompt
+    (`prompt_mode.prompt_forward`) with the copy switched off (0: the integer kernel) and on (1). Steps never
+    read the copy, so only prefills are measured."""
+    import os
+    from unittest import mock
+
+    from ragspec.decoding.prompt_mode import prompt_forward
+    from ragspec.models.fused_layers import FusedMLP
+    from ragspec.models.generator import load_generator
+    from ragspec.models.gguf_linear import GGUFLinear
+
+    with mock.patch.dict(os.environ, {"RAGSPEC_GGUF_PROMPT": "int8"}):
+        hf, _ = load_generator(model, "cpu", "gguf")
+    linears = {m: m.prompt_int8 for m in hf.modules() if isinstance(m, GGUFLinear) and m.prompt_int8 is not None}
+    mlps = [m for m in hf.modules() if isinstance(m, FusedMLP)]
+    print(json.dumps({"copies": len(linears), "copy_gb": round(sum(m.nbytes()[1] for m in linears) / 1e9, 2),
+                      "blocks_gb": round(sum(m.nbytes()[0] for m in hf.modules() if isinstance(m, GGUFLinear)) / 1e9,
+                                         2)}), flush=True)
+    if not linears:
+        raise SystemExit("no int8 prompt copy here: it needs int8 units (VNNI/AMX) that torch._int_mm runs on")
+
+    def switch(mode):
+        for m, copy in linears.items():
+            m.prompt_int8 = copy if mode else None
+        for m in mlps:
+            m._int8 = bool(mode)
+
+    with prompt_forward():
+        switched_pairs(hf, rounds, switch, ("int_ms", "int8_ms"), sizes=())
+    switch(1)
+
+
 def switched_pairs(hf, rounds: int, switch, names, prompts=(353, 1024), sizes=(1, 16, 64), steps: int = 20) -> None:
     """Runs alternated in one process between `switch(0)` and `switch(1)`: prefill of each prompt length in the
     backend's 512-token chunks, then single steps of each size over a 1,024-token context. One JSON line per
@@ -260,6 +295,8 @@ def main(argv=None) -> None:
                    help="dtype gguf's Q4_K linears on the group and the Q8_K activation rule, N prefills of each")
     p.add_argument("--prompt-copy", type=int, default=0, metavar="N",
                    help="dtype gguf's prompt chunks on the integer kernel and on the bf16 prompt copy, N of each")
+    p.add_argument("--int8-prompt", type=int, default=0, metavar="N",
+                   help="dtype gguf's prompts on the integer kernel and on the int8 prompt copy, N of each")
     args = p.parse_args(argv)
     flags = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))))
     print(json.dumps({"utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -272,6 +309,8 @@ def main(argv=None) -> None:
         q8k_pairs(args.model, args.q8k)
     elif args.prompt_copy:
         prompt_copy_pairs(args.model, args.prompt_copy)
+    elif args.int8_prompt:
+        int8_prompt_pairs(args.model, args.int8_prompt)
     elif args.interleave:
         interleaved(args.model, args.interleave)
     else:

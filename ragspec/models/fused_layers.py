@@ -4,7 +4,8 @@ Why: once the linears read what the GGUF holds, a one-token step of the 1.5B spe
 them, in ~40 small PyTorch ops and module calls a layer. The MLP fused quantizes its input once for gate and up
 and never leaves C++; RMSNorm runs its mean in a fixed order. Both compute each row from that row alone, so a
 token's logits stay the same bits alone or inside a draft tree. A forward of more rows than `PROMPT_ROWS` with
-the opt-in bf16 prompt copy keeps the modules' own path (their linears then multiply in bf16).
+the opt-in bf16 prompt copy, or a prompt forward with the opt-in int8 copy, keeps the modules' own path (their
+linears then multiply with the copy).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ragspec.decoding.prompt_mode import reading_prompt
 from ragspec.models.gguf_linear import FORMATS, PROMPT_ROWS, SUPERBLOCK, GGUFLinear
 
 
@@ -26,6 +28,7 @@ class FusedMLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.act_fn = mlp.act_fn
         self._prompt = any(m.prompt is not None for m in (self.gate_proj, self.up_proj, self.down_proj))
+        self._int8 = all(m.prompt_int8 is not None for m in (self.gate_proj, self.up_proj, self.down_proj))
         # one activation rule for gate and up (x is quantized once), and the group rule for down (its input is
         # quantized a group of outputs at a time): u4k8 only where both hold
         mixed = (self.gate_proj.code == SUPERBLOCK) != (self.up_proj.code == SUPERBLOCK)
@@ -36,7 +39,7 @@ class FusedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
-        if self._prompt and x.numel() > PROMPT_ROWS * g.in_features:
+        if (self._int8 and reading_prompt()) or (self._prompt and x.numel() > PROMPT_ROWS * g.in_features):
             return d(self.act_fn(g(x)) * u(x))
         y = self.ops.mlp(x if x.dtype == torch.float32 else x.float(), *g.kernel_args()[:4], g.code,
                          *u.kernel_args()[:4], u.code, *d.kernel_args()[:4], d.code, g.out_features, d.out_features)

@@ -24,11 +24,17 @@ MLP quantizes a group at a time) take llama.cpp's Q8_K rule instead, one scale p
 and mins then apply in integers, and its float work is two operations per 256 inputs instead of two per 32.
 
 Reading a prompt is another matter: hundreds of rows reuse every weight, so the bound is arithmetic, not bytes.
-With RAGSPEC_GGUF_PROMPT=1, where the CPU has native bf16 (AVX512_BF16/AMX), each linear keeps a second, bf16
-copy of its de-quantized weights packed for oneDNN and a forward of more than `PROMPT_ROWS` rows uses it (2 bytes
-a weight more memory). No draft step is that large (trees stop at 256), but a prompt partly served by the prefix
-cache is read in fewer rows than the same prompt fresh, so that path is opt-in; by default every forward runs
-the integer kernel.
+RAGSPEC_GGUF_PROMPT picks a second copy of the weights for it (by default there is none, and every forward runs
+the integer kernel):
+- `int8`, where `torch._int_mm` runs on int8 units (VNNI/AMX): each linear but lm_head keeps its de-quantized
+  weights re-quantized to int8 per output channel (`int8_linear.Int8Linear`: activations int8 per row, exact
+  int32 sums), used by the forwards the backends mark as reading prompt positions (`decoding/prompt_mode.py`),
+  however many rows they have. Rows stay independent, so a prompt read in any chunks, or behind a reused prefix,
+  gives the same bits. 1 byte a weight more memory, and other numbers than the blocks' for those positions.
+- `1` (bf16), where the CPU has native bf16 (AVX512_BF16/AMX): a bf16 copy packed for oneDNN that any forward of
+  more than `PROMPT_ROWS` rows uses (2 bytes a weight). No draft step is that large (trees stop at 256), but a
+  prompt partly served by the prefix cache is read in fewer rows than the same prompt fresh and takes the other
+  kernels, so it can answer otherwise.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ragspec.decoding.prompt_mode import reading_prompt
 from ragspec.errors import RagspecError
 from ragspec.models.cpu_linear import replace_module
 
@@ -228,31 +235,53 @@ def superblock_activations() -> bool:
     return amx_expected()
 
 
-def prompt_copy_available() -> bool:
-    """A bf16 copy for prompts: opt-in (RAGSPEC_GGUF_PROMPT=1), and only where bf16 runs natively and oneDNN
-    packs it. Off by default because the path then depends on a forward's row count, and a prompt whose start
-    comes from the prefix cache reads its remainder in fewer rows than a fresh one: the two would take different
-    kernels and could answer differently (seen: two serve replicas, 5-7 of 8 answers as asked alone)."""
-    if os.environ.get("RAGSPEC_GGUF_PROMPT", "0") != "1":
-        return False
-    from ragspec.cpu_flags import native_bf16
-    from ragspec.models.cpu_linear import bf16_packing_available
+PROMPT_COPIES = {"0": None, "": None, "1": "bf16", "bf16": "bf16", "int8": "int8"}
 
-    return native_bf16() and bf16_packing_available()
+
+def prompt_copy_kind() -> str | None:
+    """The prompt's weight copy RAGSPEC_GGUF_PROMPT asks for, where this machine runs it: "int8" (int8 units
+    that `torch._int_mm` uses), "bf16" (native bf16 that oneDNN packs), or None (the default: no copy). The bf16
+    copy is chosen by row count, so a prompt whose start comes from the prefix cache reads its remainder with
+    other kernels than a fresh one and can answer differently (seen: two serve replicas, 5-7 of 8 answers as
+    asked alone); the int8 copy is chosen by role (`decoding/prompt_mode.py`) and keeps every read exact."""
+    value = os.environ.get("RAGSPEC_GGUF_PROMPT", "0").strip().lower()
+    if value not in PROMPT_COPIES:
+        raise RagspecError(f"RAGSPEC_GGUF_PROMPT '{value}' is not one of 0, 1 (bf16), bf16, int8")
+    kind = PROMPT_COPIES[value]
+    if kind == "int8":
+        from ragspec.models.int8_linear import int8_kernel
+
+        if int8_kernel() != "int_mm":
+            log.warning("RAGSPEC_GGUF_PROMPT=int8: torch._int_mm has no int8 units to run on here (no VNNI/AMX), "
+                        "so prompts keep the integer kernel")
+            return None
+    elif kind == "bf16":
+        from ragspec.cpu_flags import native_bf16
+        from ragspec.models.cpu_linear import bf16_packing_available
+
+        if not (native_bf16() and bf16_packing_available()):
+            return None
+    return kind
+
+
+def prompt_copy_available() -> bool:
+    """The bf16 prompt copy is on (RAGSPEC_GGUF_PROMPT=1): forwards of more than `PROMPT_ROWS` rows use it."""
+    return prompt_copy_kind() == "bf16"
 
 
 class GGUFLinear(nn.Module):
-    """`nn.Linear` (inference only) on a GGUF tensor's blocks: the integer kernel for up to `PROMPT_ROWS` rows,
-    a packed bf16 copy (where the CPU runs bf16 natively) for prompt chunks."""
+    """`nn.Linear` (inference only) on a GGUF tensor's blocks: the integer kernel, and where RAGSPEC_GGUF_PROMPT
+    asks for one, a copy for prompt positions (int8) or for forwards of more than `PROMPT_ROWS` rows (bf16).
+    `prompt_copy`: None (as the variable says), False (none), True or "bf16", "int8"."""
 
     def __init__(self, fmt: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, bias: torch.Tensor | None,
-                 gguf_type: str = "", prompt_copy: bool | None = None, superblock: bool | None = None):
+                 gguf_type: str = "", prompt_copy: bool | str | None = None, superblock: bool | None = None):
         w, wh = pack(fmt, q)
         sd, smn = scale_tensors(fmt, d, m)
         self._setup(fmt, *q.shape, w, wh, sd, smn, bias, gguf_type, prompt_copy, superblock)
 
     @classmethod
-    def from_packed(cls, b, bias: torch.Tensor | None, prompt_copy: bool | None = None,
+    def from_packed(cls, b, bias: torch.Tensor | None, prompt_copy: bool | str | None = None,
                     superblock: bool | None = None) -> GGUFLinear:
         """From blocks already in the kernel's layout (`gguf_blocks.Packed`): no decoding, no packing."""
         self = cls.__new__(cls)
@@ -275,9 +304,17 @@ class GGUFLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self._no_bias = torch.empty(0)
         self._args = None  # the buffers as a tuple: a step reads them ~170 times, Module.__getattr__ is slow
-        self.prompt = None
-        if prompt_copy if prompt_copy is not None else prompt_copy_available():
+        self.prompt = None  # the bf16 copy
+        self.prompt_int8 = None  # the int8 copy (an Int8Linear)
+        kind = prompt_copy_kind() if prompt_copy is None else {True: "bf16", False: None}.get(prompt_copy, prompt_copy)
+        if kind == "bf16":
             self.prompt = torch.ops.mkldnn._reorder_linear_weight(self.dequantize().to(torch.bfloat16), 16)
+        elif kind == "int8":
+            from ragspec.models.int8_linear import Int8Linear
+
+            self.prompt_int8 = Int8Linear.from_weight(self.dequantize(), self.bias)  # fp32 kernel: same numbers
+        elif kind:
+            raise RagspecError(f"prompt copy '{kind}' is not bf16 or int8")
 
     def dequantize(self) -> torch.Tensor:
         """The weight the kernel computes with, as float32 [out, in] (d and m as stored)."""
@@ -299,6 +336,8 @@ class GGUFLinear(nn.Module):
         return w.reshape(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.prompt_int8 is not None and reading_prompt():
+            return self.prompt_int8(x)
         if self.prompt is None or x.numel() <= PROMPT_ROWS * self.in_features:  # one call: quantize, multiply, bias
             args = self.kernel_args()
             y = self.ops.linear(x if x.dtype == torch.float32 else x.float(), *args[:4],
@@ -322,11 +361,14 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"{self.gguf_type}→{self.fmt}{'8' if self.code == SUPERBLOCK else ''}"
-                f"{', bf16 prompt copy' if self.prompt is not None else ''}")
+                f"{', bf16 prompt copy' if self.prompt is not None else ''}"
+                f"{', int8 prompt copy' if self.prompt_int8 is not None else ''}")
 
     def nbytes(self) -> tuple[int, int]:
         """(bytes read by a decode step, bytes of the prompt copy)."""
         step = sum(t.numel() * t.element_size() for t in (self.w, self.wh, self.d, self.mn))
+        if self.prompt_int8 is not None:
+            return step, sum(t.numel() * t.element_size() for t in (self.prompt_int8.w_q, self.prompt_int8.w_scale))
         return step, (self.out_features * self.in_features * 2 if self.prompt is not None else 0)
 
 
@@ -354,13 +396,15 @@ def hf_module_name(gguf_name: str) -> str | None:
     return None
 
 
-def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | None = None, head: bool = True) -> dict:
+def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | str | None = None, head: bool = True) -> dict:
     """Replace each linear of a CPU model loaded from `gguf_file` (the same weights, de-quantized) by a
     `GGUFLinear` built from the file's own blocks (packed once per machine: `gguf_blocks.py`); the lm_head too
     (from `output.weight`, or the tied `token_embd.weight`) unless `head` is False. Returns {module name: GGUF
-    type}."""
+    type}. The int8 prompt copy leaves lm_head out: a prompt forward keeps one row's logits, the last one, and
+    the prompt's last token is read as a step reads it."""
     from ragspec.models.gguf_blocks import packed_blocks
 
+    kind = prompt_copy_kind() if prompt_copy is None else {True: "bf16", False: None}.get(prompt_copy, prompt_copy)
     cfg = model.config
     _, packed = packed_blocks(gguf_file, cfg.num_attention_heads, cfg.num_key_value_heads)
     done = {}
@@ -373,11 +417,13 @@ def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | None = N
         if (b.rows, b.cols) != (module.out_features, module.in_features):
             raise RagspecError(f"generator dtype gguf: {target} is {b.rows}x{b.cols} in {gguf_file}, "
                                f"{module.out_features}x{module.in_features} in the model")
-        replace_module(model, target, GGUFLinear.from_packed(b, module.bias, prompt_copy))
+        copy = None if kind == "int8" and target == "lm_head" else kind
+        replace_module(model, target, GGUFLinear.from_packed(b, module.bias, copy or False))
         done[target] = b.gguf_type
     if not done:
         raise RagspecError(f"generator dtype gguf: no linear of {gguf_file} matched the model")
     model.ragspec_gguf = done  # the t(n) cost key's kernels part: kernels_key, once the MLPs are fused
+    model.ragspec_prompt_copy = "int8" if kind == "int8" else None  # the backends mark its prompt forwards
     return done
 
 

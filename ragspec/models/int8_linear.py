@@ -26,6 +26,7 @@ import functools
 import logging
 import os
 import time
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -104,6 +105,13 @@ class Int8Linear(nn.Module):
                 if self.packed:
                     part = torch.ops.mkldnn._reorder_linear_weight(part, 16)
                 self.slices.append((start, min(start + step, k), part))
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None) -> Int8Linear:
+        """From a float [out, in] weight (dtype gguf's prompt copy: its blocks de-quantized)."""
+        out_features, in_features = weight.shape
+        return cls(SimpleNamespace(weight=weight, bias=bias, in_features=in_features, out_features=out_features),
+                   kernel)
 
     def _fp32_product(self, x_q: torch.Tensor) -> torch.Tensor:
         """x_q @ w_qᵀ, exact, as int32 (or as float32 when one slice: its integers are exact there)."""

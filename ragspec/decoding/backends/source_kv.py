@@ -17,6 +17,7 @@ import torch
 
 from ragspec.decoding.backends.base import check_cancel, chunks
 from ragspec.decoding.backends.transformers import cache_arg, sliding_window
+from ragspec.decoding.prompt_mode import prompt_copy
 from ragspec.decoding.source_cache import SourcePlan, entry_key
 
 
@@ -31,6 +32,8 @@ def unsupported(model) -> str:
     cfg = model.config
     if sliding_window(cfg):
         return "its sliding-window layers keep keys by position"
+    if prompt_copy(model):
+        return f"it reads prompts with a second weight copy ({prompt_copy(model)}, RAGSPEC_GGUF_PROMPT)"
     rope = rotary(model)
     if rope is None or not hasattr(rope, "inv_freq"):
         return "it has no rotary position embedding ragspec can re-rotate (model.model.rotary_emb)"

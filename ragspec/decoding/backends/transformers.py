@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ragspec.decoding.backends.accept import accept_greedy, accept_sampled, new_generator, walk_greedy
-from ragspec.decoding.backends.base import StepResult, check_cancel, chunks
+from ragspec.decoding.backends.base import PREFILL_CHUNK, StepResult, check_cancel, chunks
 from ragspec.decoding.backends.growing_cache import growing
+from ragspec.decoding.prompt_mode import prompt_copy, prompt_forward
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.tree import DraftTree
 
@@ -32,6 +33,22 @@ def cache_arg(model, cache) -> dict:
         params = inspect.signature(kind.forward).parameters
         _CACHE_KEYWORD[kind] = "cache" if "cache" in params else "past_key_values"
     return {_CACHE_KEYWORD[kind]: cache}
+
+
+def generate_kwargs(model, prompt_ids: list[int]) -> dict:
+    """What HF `generate` needs to read a prompt as the backend does, for plain greedy references: prefilled in
+    the backend's chunks, and for a model with a prompt copy every position but the last read by prompt forwards
+    (`prompt_mode.py`) into the cache `generate` then continues from."""
+    if prompt_copy(model) is None:
+        return {"prefill_chunk_size": PREFILL_CHUNK}
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode(), prompt_forward():
+        for a, b in chunks(0, len(prompt_ids) - 1):
+            model(input_ids=torch.tensor([prompt_ids[a:b]], device=model.device), **cache_arg(model, cache),
+                  use_cache=True, logits_to_keep=1)
+    return {"past_key_values": cache}
 
 
 def sliding_window(config) -> int | None:
@@ -90,7 +107,9 @@ class TransformersBackend:
         self._root_logits = None
         whole = self.hidden_layer is None and not self.attention_heads  # the root is cached too
         split = len(prompt_ids) - 2 if self.attention_heads and len(prompt_ids) > 2 else len(prompt_ids) - 1
-        split = len(prompt_ids) if whole else split
+        # a model with a prompt copy reads the root with its step weights: alone, after the prompt's chunks
+        root_alone = whole and prompt_copy(self.model) is not None
+        split = len(prompt_ids) if whole and not root_alone else split
         if prefix is not None and whole:
             # at least the root is computed here: its logits are the first step's
             cache, self.cached = prefix.lookup(prompt_ids, len(prompt_ids) - 1)
@@ -112,27 +131,32 @@ class TransformersBackend:
         for a, b in chunks(self.cached, split):
             check_cancel(cancel)
             ids = torch.tensor([prompt_ids[a:b]], device=self.device)
-            out = self.model(
-                input_ids=ids,
-                **cache_arg(self.model, self.cache),
-                use_cache=True,
-                logits_to_keep=1,
-                output_hidden_states=self.hidden_layer is not None,
-            )
+            with prompt_forward(b < len(prompt_ids)):  # every position but the root's
+                out = self.model(
+                    input_ids=ids,
+                    **cache_arg(self.model, self.cache),
+                    use_cache=True,
+                    logits_to_keep=1,
+                    output_hidden_states=self.hidden_layer is not None,
+                )
             if self.hidden_layer is not None:
                 self._append_hidden(out.hidden_states[self.hidden_layer][0], at=a)
             self.cached = b
-            if whole and b == split:
+            if whole and b == len(prompt_ids):
                 self._root_logits = out.logits[0, -1]
             if on_progress is not None:
                 on_progress(b - (split - total), total)
         check_cancel(cancel)
-        if split < len(prompt_ids) - 1:
+        if root_alone:
+            ids = torch.tensor([prompt_ids[split:]], device=self.device)
+            out = self.model(input_ids=ids, **cache_arg(self.model, self.cache), use_cache=True, logits_to_keep=1)
+            self._root_logits, self.cached = out.logits[0, -1], len(prompt_ids)
+        elif split < len(prompt_ids) - 1:
             from ragspec.decoding.backends.attention import AttentionCapture, eager_attention
 
             self._capture = AttentionCapture(self.model, list(self.attention_heads))
             ids = torch.tensor([prompt_ids[split : split + 1]], device=self.device)
-            with eager_attention(self.model, keep_exact=True):
+            with eager_attention(self.model, keep_exact=True), prompt_forward():
                 out = self.model(input_ids=ids, position_ids=torch.tensor([[split]], device=self.device),
                                  **cache_arg(self.model, self.cache), use_cache=True, logits_to_keep=1,
                                  output_hidden_states=self.hidden_layer is not None)

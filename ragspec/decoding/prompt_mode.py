@@ -1,0 +1,36 @@
+"""Which forwards read prompt positions, for a model that reads a prompt with other weights than a step (dtype
+gguf's int8 prompt copy, `models/gguf_linear.py`).
+
+Why by role and not by row count: a prompt read behind a reused prefix, or in chunks of another size, must give
+each position the same bits as a whole read, and a draft tree can have as many rows as a prompt chunk. So the
+backends mark the forwards that read the prompt's positions but its last, and the model's linears read the mark.
+The last prompt token (the first step's root) is read as a step reads it, alone or at the root of the first
+tree, and so are the answer's tokens: a cache holds copy-read positions only below the prompt's last token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+_READING = contextvars.ContextVar("ragspec_reading_prompt", default=False)
+
+
+def reading_prompt() -> bool:
+    """True inside `prompt_forward()` on this thread."""
+    return _READING.get()
+
+
+@contextlib.contextmanager
+def prompt_forward(on: bool = True):
+    """Forwards run inside read prompt positions (all of their rows)."""
+    token = _READING.set(on)
+    try:
+        yield
+    finally:
+        _READING.reset(token)
+
+
+def prompt_copy(model) -> str | None:
+    """The weights `model` reads prompt positions with when not its step weights ("int8"), else None."""
+    return getattr(model, "ragspec_prompt_copy", None) or None
