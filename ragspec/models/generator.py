@@ -70,7 +70,8 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
     if dtype == "gguf":
         from ragspec.models.gguf_linear import quantize_from_gguf
 
-        quantize_from_gguf(model, gguf_file)  # every linear, lm_head included
+        # every linear, lm_head included; the prompt's weight copy as set, or as measured for the model
+        quantize_from_gguf(model, gguf_file, prompt_copy=prompt_copy(name) or False)
         from ragspec.models.fused_layers import fuse_layers
 
         fuse_layers(model)  # MLPs and RMSNorms: one kernel call each
@@ -106,6 +107,21 @@ def generator_gguf(name: str):
     if path.suffix == ".gguf" and path.is_file():
         return path
     raise RagspecError(f"generator dtype gguf needs an embedded model or a local .gguf file, not '{name}'")
+
+
+def prompt_copy(name: str) -> str | None:
+    """The weight copy dtype gguf reads `name`'s prompts with here: RAGSPEC_GGUF_PROMPT's, or unset, the model's
+    measured setting (registry `prompt_copy`: the 1.5B's int8), where the CPU runs it."""
+    from ragspec.models.gguf_linear import prompt_copy_kind
+
+    embedded = lookup(name, "generator")
+    return prompt_copy_kind(default=embedded.extra.get("prompt_copy") if embedded is not None else None)
+
+
+def prompt_copy_key(name: str) -> str:
+    """For calibration keys: RAGSPEC_GGUF_PROMPT as set, or unset, the model's own copy ("int8") or "0" (the keys
+    of models without one stay as they were)."""
+    return os.environ.get("RAGSPEC_GGUF_PROMPT") or prompt_copy(name) or "0"
 
 
 def _gguf_prompt_rows() -> int | None:

@@ -24,8 +24,9 @@ MLP quantizes a group at a time) take llama.cpp's Q8_K rule instead, one scale p
 and mins then apply in integers, and its float work is two operations per 256 inputs instead of two per 32.
 
 Reading a prompt is another matter: hundreds of rows reuse every weight, so the bound is arithmetic, not bytes.
-RAGSPEC_GGUF_PROMPT picks a second copy of the weights for it (by default there is none, and every forward runs
-the integer kernel):
+RAGSPEC_GGUF_PROMPT picks a second copy of the weights for it; unset, a model's measured setting does (registry
+`prompt_copy`: the 1.5B's int8, answers within one standard error), and other models run every forward on the
+integer kernel:
 - `int8`, where `torch._int_mm` runs on int8 units (VNNI/AMX): each linear but lm_head keeps its de-quantized
   weights re-quantized to int8 per output channel (`int8_linear.Int8Linear`: activations int8 per row, exact
   int32 sums), used by the forwards the backends mark as reading prompt positions (`decoding/prompt_mode.py`),
@@ -238,13 +239,16 @@ def superblock_activations() -> bool:
 PROMPT_COPIES = {"0": None, "": None, "1": "bf16", "bf16": "bf16", "int8": "int8"}
 
 
-def prompt_copy_kind() -> str | None:
-    """The prompt's weight copy RAGSPEC_GGUF_PROMPT asks for, where this machine runs it: "int8" (int8 units
-    that `torch._int_mm` uses), "bf16" (native bf16 that oneDNN packs), or None (the default: no copy). The bf16
-    copy is chosen by row count, so a prompt whose start comes from the prefix cache reads its remainder with
-    other kernels than a fresh one and can answer differently (seen: two serve replicas, 5-7 of 8 answers as
-    asked alone); the int8 copy is chosen by role (`decoding/prompt_mode.py`) and keeps every read exact."""
-    value = os.environ.get("RAGSPEC_GGUF_PROMPT", "0").strip().lower()
+def prompt_copy_kind(default: str | None = None) -> str | None:
+    """The prompt's weight copy, where this machine runs it: "int8" (int8 units that `torch._int_mm` uses),
+    "bf16" (native bf16 that oneDNN packs) or None. RAGSPEC_GGUF_PROMPT decides (0: none); unset, `default` does
+    (the model's measured setting: registry `prompt_copy`). The bf16 copy is chosen by row count, so a prompt
+    whose start comes from the prefix cache reads its remainder with other kernels than a fresh one and can
+    answer differently (seen: two serve replicas, 5-7 of 8 answers as asked alone); the int8 copy is chosen by
+    role (`decoding/prompt_mode.py`) and keeps every read exact."""
+    value = os.environ.get("RAGSPEC_GGUF_PROMPT")
+    asked = value is not None
+    value = value.strip().lower() if asked else (default or "0")
     if value not in PROMPT_COPIES:
         raise RagspecError(f"RAGSPEC_GGUF_PROMPT '{value}' is not one of 0, 1 (bf16), bf16, int8")
     kind = PROMPT_COPIES[value]
@@ -252,8 +256,9 @@ def prompt_copy_kind() -> str | None:
         from ragspec.models.int8_linear import int8_kernel
 
         if int8_kernel() != "int_mm":
-            log.warning("RAGSPEC_GGUF_PROMPT=int8: torch._int_mm has no int8 units to run on here (no VNNI/AMX), "
-                        "so prompts keep the integer kernel")
+            if asked:
+                log.warning("RAGSPEC_GGUF_PROMPT=int8: torch._int_mm has no int8 units to run on here (no "
+                            "VNNI/AMX), so prompts keep the integer kernel")
             return None
     elif kind == "bf16":
         from ragspec.cpu_flags import native_bf16

@@ -221,13 +221,14 @@ def table_key(model: str, cpu: dict | None = None, candidates=CANDIDATES) -> str
     longer hold."""
     import torch
 
+    from ragspec.models.generator import prompt_copy_key
     from ragspec.models.gguf_kernel import source_digest
     from ragspec.models.gguf_linear import superblock_activations
 
     cpu = cpu or cpu_info()
     model_id = model if not Path(model).expanduser().exists() else str(Path(model).expanduser().resolve())
     parts = [FORMAT, model_id, cpu["model"], cpu["flags_hash"], cpu["threads"], cpu["cores"], torch.__version__,
-             _llama_version(), source_digest(), os.environ.get("RAGSPEC_PACKED_LINEAR", "1"), os.environ.get("RAGSPEC_GGUF_PROMPT", "0"),
+             _llama_version(), source_digest(), os.environ.get("RAGSPEC_PACKED_LINEAR", "1"), prompt_copy_key(model),
              "1" if superblock_activations() else "0", CONTEXT, SIZES, [c.name for c in candidates]]
     h = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
     slug = "".join(c if c.isalnum() or c in ".-_" else "_" for c in Path(model).name.lower())[:48]
