@@ -25,8 +25,8 @@ and mins then apply in integers, and its float work is two operations per 256 in
 
 Reading a prompt is another matter: hundreds of rows reuse every weight, so the bound is arithmetic, not bytes.
 RAGSPEC_GGUF_PROMPT picks a second copy of the weights for it; unset, a model's measured setting does (registry
-`prompt_copy`: the 1.5B's int8, answers within one standard error), and other models run every forward on the
-integer kernel:
+`prompt_copy`; none has one: building the int8 copy at load costs the 1.5B more than it saves an ask, see
+docs/decoding.md), and every forward runs the integer kernel:
 - `int8`, where `torch._int_mm` runs on int8 units (VNNI/AMX): each linear but lm_head keeps its de-quantized
   weights re-quantized to int8 per output channel (`int8_linear.Int8Linear`: activations int8 per row, exact
   int32 sums), used by the forwards the backends mark as reading prompt positions (`decoding/prompt_mode.py`),
