@@ -78,6 +78,24 @@ def test_copy_is_the_blocks_within_int8_rounding(copied):
         assert not torch.equal(got, lin(x))  # outside a prompt forward the blocks run
 
 
+def test_the_copy_is_kept_with_the_packed_blocks(copied):
+    """Built once beside the packed blocks (a file of its own) and read back as made: the same outputs as a copy
+    made from the blocks here."""
+    from ragspec.models.generator import generator_gguf
+    from ragspec.models.gguf_blocks import blocks_path
+    from ragspec.models.int8_linear import Int8Linear
+
+    model, _ = copied
+    cfg = model.config
+    gguf = generator_gguf(SMOL)
+    kept = blocks_path(gguf, cfg.num_attention_heads, cfg.num_key_value_heads, int8_copy=True)
+    assert kept.is_file() and kept != blocks_path(gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
+    x = torch.randn(5, cfg.hidden_size)
+    for name in ("model.layers.0.self_attn.k_proj", "model.layers.7.mlp.gate_proj"):
+        lin = model.get_submodule(name)
+        assert torch.equal(lin.prompt_int8(x), Int8Linear.from_weight(lin.dequantize(), lin.bias)(x)), name
+
+
 def test_steps_never_read_the_copy(copied, plain):
     """Outside prompt forwards the model with the copy computes the same bits as the model without it."""
     (a, tok), (b, _) = copied, plain
@@ -158,13 +176,14 @@ def test_reused_heads_and_follow_ups_answer_as_read_whole(copied):
 
 
 def test_the_setting_is_checked_and_wins_over_a_models_own():
-    """RAGSPEC_GGUF_PROMPT decides when set; unset, a model's measured setting (registry `prompt_copy`) does, where
-    int8 units run it; models without one keep their calibration keys."""
+    """RAGSPEC_GGUF_PROMPT decides when set; unset, a model's measured setting (registry `prompt_copy`: the 1.5B's
+    int8) does, where int8 units run it."""
     import os
     from unittest import mock
 
     from ragspec.models.generator import prompt_copy_key
     from ragspec.models.int8_linear import int8_kernel
+    from ragspec.models.registry import lookup
 
     with mock.patch.dict(os.environ, {"RAGSPEC_GGUF_PROMPT": "fp4"}), pytest.raises(RagspecError, match="int8"):
         gguf_linear.prompt_copy_kind()
@@ -176,4 +195,6 @@ def test_the_setting_is_checked_and_wins_over_a_models_own():
     with mock.patch.dict(os.environ, env, clear=True):
         here = "int8" if int8_kernel() == "int_mm" else None
         assert gguf_linear.prompt_copy_kind(default="int8") == here and gguf_linear.prompt_copy_kind() is None
-        assert prompt_copy_key(SMOL) == "0" and prompt_copy_key("qwen2.5-coder-1.5b-instruct") == "0"
+        assert prompt_copy_key(SMOL) == "0"  # models without one keep their calibration keys
+        assert lookup("qwen2.5-coder-1.5b-instruct").extra["prompt_copy"] == "int8"
+        assert prompt_copy_key("qwen2.5-coder-1.5b-instruct") == (here or "0")

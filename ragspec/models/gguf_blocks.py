@@ -32,6 +32,7 @@ from ragspec.paths import ragspec_home
 log = logging.getLogger(__name__)
 ARCHS = ("llama", "qwen2")
 PARTS = ("w", "wh", "d", "mn")
+COPY = ("q8", "q8s")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class Packed:
     wh: torch.Tensor
     d: torch.Tensor
     mn: torch.Tensor
+    q8: torch.Tensor | None = None  # the int8 prompt copy (int8 [rows, cols]) and its scale per row, when kept
+    q8s: torch.Tensor | None = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,18 +58,25 @@ def packing_digest() -> str:
     return hashlib.sha256(text).hexdigest()[:10]
 
 
-def blocks_path(gguf_file, heads: int, kv_heads: int) -> Path:
-    """Where `gguf_file`'s packing is kept (see the module for what its name's key holds)."""
+def blocks_path(gguf_file, heads: int, kv_heads: int, int8_copy: bool = False) -> Path:
+    """Where `gguf_file`'s packing is kept (see the module for what its name's key holds); with the int8 prompt
+    copy, a file of its own ("blocks8"), so processes with and without it never remove each other's."""
     src = Path(gguf_file).resolve()
     st = src.stat()
     key = hashlib.sha256(f"{src}|{st.st_size}|{st.st_mtime_ns}|{packing_digest()}|{heads}|{kv_heads}".encode())
-    return ragspec_home() / "models" / f"{src.stem}.blocks-{key.hexdigest()[:12]}.safetensors"
+    return ragspec_home() / "models" / f"{src.stem}.{_tag(int8_copy)}-{key.hexdigest()[:12]}.safetensors"
 
 
-def packed_blocks(gguf_file, heads: int, kv_heads: int) -> tuple[str, dict[str, Packed]]:
+def _tag(int8_copy: bool) -> str:
+    return "blocks8" if int8_copy else "blocks"
+
+
+def packed_blocks(gguf_file, heads: int, kv_heads: int, int8_copy: bool = False) -> tuple[str, dict[str, Packed]]:
     """(architecture, {HF module name: Packed}) for every linear of `gguf_file`, `lm_head` included (from
-    `output.weight`, or the tied `token_embd.weight`): read from its packing, or packed here and kept."""
-    path = blocks_path(gguf_file, heads, kv_heads)
+    `output.weight`, or the tied `token_embd.weight`): read from its packing, or packed here and kept. With
+    `int8_copy`, every linear but lm_head also holds its int8 prompt copy (`gguf_linear.int8_copy`): building it
+    at load took the 1.5B 11.6 s of every process's start."""
+    path = blocks_path(gguf_file, heads, kv_heads, int8_copy)
     got = _read(path)
     if got is not None:
         return got
@@ -79,7 +89,7 @@ def packed_blocks(gguf_file, heads: int, kv_heads: int) -> tuple[str, dict[str, 
 
             with status(f"Packing {Path(gguf_file).name}'s blocks for the kernels once (a few seconds; kept "
                         f"in {path.parent})"):
-                got = _pack(gguf_file, heads, kv_heads)
+                got = _pack(gguf_file, heads, kv_heads, int8_copy)
                 _write(path, *got)
     return got
 
@@ -161,7 +171,7 @@ def read_tensors(gguf_file) -> tuple[str, dict[str, Tensor]]:
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF metadata type -> bytes
 
 
-def _pack(gguf_file, heads: int, kv_heads: int) -> tuple[str, dict[str, Packed]]:
+def _pack(gguf_file, heads: int, kv_heads: int, int8_copy: bool = False) -> tuple[str, dict[str, Packed]]:
     from ragspec.models.gguf_linear import hf_module_name
 
     arch, tensors = read_tensors(gguf_file)
@@ -172,12 +182,13 @@ def _pack(gguf_file, heads: int, kv_heads: int) -> tuple[str, dict[str, Packed]]
     todo = [(target, t) for name, t in tensors.items() if (target := hf_module_name(name)) is not None]
     # numpy lets go of the GIL in the byte shuffles, so the tensors pack side by side on every core
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # at most 8 tensors' copies at once
-        packed = pool.map(lambda job: _pack_one(arch, *job, heads, kv_heads), todo)
+        packed = pool.map(lambda job: _pack_one(arch, *job, heads, kv_heads, int8_copy), todo)
         return arch, dict(zip((target for target, _ in todo), packed))
 
 
-def _pack_one(arch: str, target: str, t: Tensor, heads: int, kv_heads: int) -> Packed:
+def _pack_one(arch: str, target: str, t: Tensor, heads: int, kv_heads: int, int8_copy: bool = False) -> Packed:
     from ragspec.models.gguf_linear import _unpermute_rows, decode_blocks, pack, scale_tensors
+    from ragspec.models.gguf_linear import int8_copy as make_copy
 
     cols, rows = t.shape[:2]  # ggml lists the innermost dimension first
     fmt, q, d, m = decode_blocks(t.data, t.type_name, rows, cols)
@@ -188,13 +199,15 @@ def _pack_one(arch: str, target: str, t: Tensor, heads: int, kv_heads: int) -> P
         m = None if m is None else m[order]
     w, wh = pack(fmt, q)
     sd, smn = scale_tensors(fmt, d, m)
-    return Packed(t.type_name, fmt, rows, cols, w, wh, sd, smn)
+    copy = make_copy(fmt, w, wh, sd, smn, rows, cols) if int8_copy and target != "lm_head" else (None, None)
+    return Packed(t.type_name, fmt, rows, cols, w, wh, sd, smn, *copy)
 
 
 def _write(path: Path, arch: str, packed: dict[str, Packed]) -> None:
     from safetensors.torch import save_file
 
-    tensors = {f"{name}/{p}": getattr(b, p).contiguous() for name, b in packed.items() for p in PARTS}
+    tensors = {f"{name}/{p}": getattr(b, p).contiguous() for name, b in packed.items() for p in PARTS + COPY
+               if getattr(b, p) is not None}
     meta = {"arch": arch, "linears": json.dumps({n: [b.gguf_type, b.fmt, b.rows, b.cols] for n, b in packed.items()})}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -204,8 +217,9 @@ def _write(path: Path, arch: str, packed: dict[str, Packed]) -> None:
         log.warning("could not keep the packed GGUF blocks in %s: %s", path, exc)
         tmp.unlink(missing_ok=True)
         return
-    stem = path.name.split(".blocks-")[0]
-    for old in path.parent.glob(f"{stem}.blocks-*"):  # older packings and their locks
+    tag = path.name.split(".")[-2].split("-")[0]  # blocks or blocks8
+    stem = path.name.split(f".{tag}-")[0]
+    for old in path.parent.glob(f"{stem}.{tag}-*"):  # older packings of this kind and their locks
         if not old.name.startswith(path.name):
             old.unlink(missing_ok=True)
 
@@ -219,7 +233,9 @@ def _read(path: Path) -> tuple[str, dict[str, Packed]] | None:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata()
             arch, linears = meta["arch"], json.loads(meta["linears"])
-            out = {name: Packed(gt, fmt, rows, cols, *(f.get_tensor(f"{name}/{p}") for p in PARTS))
+            keys = set(f.keys())
+            out = {name: Packed(gt, fmt, rows, cols, *(f.get_tensor(f"{name}/{p}") if f"{name}/{p}" in keys else None
+                                                       for p in PARTS + COPY))
                    for name, (gt, fmt, rows, cols) in linears.items()}
         if arch not in ARCHS or not out:
             raise ValueError("no linears")

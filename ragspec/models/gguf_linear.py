@@ -25,8 +25,8 @@ and mins then apply in integers, and its float work is two operations per 256 in
 
 Reading a prompt is another matter: hundreds of rows reuse every weight, so the bound is arithmetic, not bytes.
 RAGSPEC_GGUF_PROMPT picks a second copy of the weights for it; unset, a model's measured setting does (registry
-`prompt_copy`; none has one: building the int8 copy at load costs the 1.5B more than it saves an ask, see
-docs/decoding.md), and every forward runs the integer kernel:
+`prompt_copy`: the 1.5B's int8, answers within one standard error), and other models run every forward on the
+integer kernel:
 - `int8`, where `torch._int_mm` runs on int8 units (VNNI/AMX): each linear but lm_head keeps its de-quantized
   weights re-quantized to int8 per output channel (`int8_linear.Int8Linear`: activations int8 per row, exact
   int32 sums), used by the forwards the backends mark as reading prompt positions (`decoding/prompt_mode.py`),
@@ -274,6 +274,35 @@ def prompt_copy_available() -> bool:
     return prompt_copy_kind() == "bf16"
 
 
+def dequantize(fmt: str, w: torch.Tensor, wh: torch.Tensor, d: torch.Tensor, mn: torch.Tensor, n: int,
+               k: int) -> torch.Tensor:
+    """Packed blocks (the kernel's layout) as the float32 [n, k] weight the kernel computes with."""
+    q = unpack(fmt, w, wh, n).float().reshape(n, k // GROUP, GROUP)
+    if fmt in ("u4k", "u6"):
+        rows = lambda t: t.movedim(-1, 1).reshape(-1, *t.shape[1:-1])[:n]  # noqa: E731  [N/8, ..., 8] → [n, ...]
+        sup = rows(d.view(torch.float16).float()).repeat_interleave(8, dim=1)  # per group
+        sc = rows(mn).float()
+        if fmt == "u4k":
+            out = q * (sup[..., 0] * sc[..., 0])[..., None] - (sup[..., 1] * sc[..., 1])[..., None]
+        else:
+            halves = (q - 32).reshape(n, k // GROUP, 2, GROUP // 2)
+            out = halves * (sup[..., None] * sc)[..., None]
+        return out.reshape(n, k)
+    out = q * _unblock(d, n)[..., None]
+    if fmt != "s8":
+        out = out + _unblock(mn, n)[..., None]
+    return out.reshape(n, k)
+
+
+def int8_copy(fmt: str, w: torch.Tensor, wh: torch.Tensor, d: torch.Tensor, mn: torch.Tensor, n: int,
+              k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 prompt copy of packed blocks: (int8 [n, k], scale per output), as `Int8Linear` quantizes."""
+    from ragspec.models.int8_linear import quantize_rows
+
+    q, scale = quantize_rows(dequantize(fmt, w, wh, d, mn, n, k))
+    return q.to(torch.int8), scale.reshape(-1)
+
+
 class GGUFLinear(nn.Module):
     """`nn.Linear` (inference only) on a GGUF tensor's blocks: the integer kernel, and where RAGSPEC_GGUF_PROMPT
     asks for one, a copy for prompt positions (int8) or for forwards of more than `PROMPT_ROWS` rows (bf16).
@@ -290,10 +319,11 @@ class GGUFLinear(nn.Module):
                     superblock: bool | None = None) -> GGUFLinear:
         """From blocks already in the kernel's layout (`gguf_blocks.Packed`): no decoding, no packing."""
         self = cls.__new__(cls)
-        self._setup(b.fmt, b.rows, b.cols, b.w, b.wh, b.d, b.mn, bias, b.gguf_type, prompt_copy, superblock)
+        kept = (b.q8, b.q8s) if b.q8 is not None else None
+        self._setup(b.fmt, b.rows, b.cols, b.w, b.wh, b.d, b.mn, bias, b.gguf_type, prompt_copy, superblock, kept)
         return self
 
-    def _setup(self, fmt, rows, cols, w, wh, sd, smn, bias, gguf_type, prompt_copy, superblock) -> None:
+    def _setup(self, fmt, rows, cols, w, wh, sd, smn, bias, gguf_type, prompt_copy, superblock, kept=None) -> None:
         super().__init__()
         from ragspec.models.gguf_kernel import load_kernels
 
@@ -317,28 +347,15 @@ class GGUFLinear(nn.Module):
         elif kind == "int8":
             from ragspec.models.int8_linear import Int8Linear
 
-            self.prompt_int8 = Int8Linear.from_weight(self.dequantize(), self.bias)  # fp32 kernel: same numbers
+            # kept with the packed blocks (`gguf_blocks.py`), or made here; the fp32 kernel gives the same numbers
+            w_q, w_scale = kept if kept is not None else int8_copy(fmt, w, wh, sd, smn, rows, cols)
+            self.prompt_int8 = Int8Linear.from_quantized(w_q, w_scale, self.bias)
         elif kind:
             raise RagspecError(f"prompt copy '{kind}' is not bf16 or int8")
 
     def dequantize(self) -> torch.Tensor:
         """The weight the kernel computes with, as float32 [out, in] (d and m as stored)."""
-        n, k = self.out_features, self.in_features
-        q = unpack(self.fmt, self.w, self.wh, n).float().reshape(n, k // GROUP, GROUP)
-        if self.fmt in ("u4k", "u6"):
-            rows = lambda t: t.movedim(-1, 1).reshape(-1, *t.shape[1:-1])[:n]  # noqa: E731  [N/8, ..., 8] → [n, ...]
-            sup = rows(self.d.view(torch.float16).float()).repeat_interleave(8, dim=1)  # per group
-            sc = rows(self.mn).float()
-            if self.fmt == "u4k":
-                w = q * (sup[..., 0] * sc[..., 0])[..., None] - (sup[..., 1] * sc[..., 1])[..., None]
-            else:
-                halves = (q - 32).reshape(n, k // GROUP, 2, GROUP // 2)
-                w = halves * (sup[..., None] * sc)[..., None]
-            return w.reshape(n, k)
-        w = q * _unblock(self.d, n)[..., None]
-        if self.fmt != "s8":
-            w = w + _unblock(self.mn, n)[..., None]
-        return w.reshape(n, k)
+        return dequantize(self.fmt, self.w, self.wh, self.d, self.mn, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.prompt_int8 is not None and reading_prompt():
@@ -373,7 +390,7 @@ class GGUFLinear(nn.Module):
         """(bytes read by a decode step, bytes of the prompt copy)."""
         step = sum(t.numel() * t.element_size() for t in (self.w, self.wh, self.d, self.mn))
         if self.prompt_int8 is not None:
-            return step, sum(t.numel() * t.element_size() for t in (self.prompt_int8.w_q, self.prompt_int8.w_scale))
+            return step, self.prompt_int8.nbytes()
         return step, (self.out_features * self.in_features * 2 if self.prompt is not None else 0)
 
 
@@ -411,7 +428,7 @@ def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | str | No
 
     kind = prompt_copy_kind() if prompt_copy is None else {True: "bf16", False: None}.get(prompt_copy, prompt_copy)
     cfg = model.config
-    _, packed = packed_blocks(gguf_file, cfg.num_attention_heads, cfg.num_key_value_heads)
+    _, packed = packed_blocks(gguf_file, cfg.num_attention_heads, cfg.num_key_value_heads, int8_copy=kind == "int8")
     done = {}
     for target, b in packed.items():
         if target == "lm_head" and not head:

@@ -85,11 +85,15 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, kernel: str | None = None):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.kernel = kernel or int8_kernel()
         w_q, w_scale = quantize_rows(linear.weight.detach().float())
-        self.register_buffer("w_scale", w_scale.reshape(1, -1).contiguous())  # [1, N]
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+        self._setup(w_q, w_scale, linear.bias, kernel)
+
+    def _setup(self, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, kernel: str | None):
+        """w_q: [N, K] integer values (any dtype), w_scale: N scales."""
+        self.out_features, self.in_features = w_q.shape
+        self.kernel = kernel or int8_kernel()
+        self.register_buffer("w_scale", w_scale.reshape(1, -1).float().contiguous())  # [1, N]
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         if self.kernel == "int_mm":
             self.register_buffer("w_q", w_q.to(torch.int8))  # [N, K]; `_int_mm` takes its transpose as a view
             self.slices = []
@@ -101,7 +105,7 @@ class Int8Linear(nn.Module):
             self.packed = packing_available()
             self.slices = []  # (start, end, weight): packed for oneDNN where it is built in, else dense
             for start in range(0, k, step):
-                part = w_q[:, start : start + step].contiguous()
+                part = w_q[:, start : start + step].float().contiguous()
                 if self.packed:
                     part = torch.ops.mkldnn._reorder_linear_weight(part, 16)
                 self.slices.append((start, min(start + step, k), part))
@@ -112,6 +116,20 @@ class Int8Linear(nn.Module):
         out_features, in_features = weight.shape
         return cls(SimpleNamespace(weight=weight, bias=bias, in_features=in_features, out_features=out_features),
                    kernel)
+
+    @classmethod
+    def from_quantized(cls, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                       kernel: str | None = None) -> Int8Linear:
+        """From weights already quantized as `quantize_rows` does (int8 [out, in] and a scale per output), as
+        dtype gguf's kept packing holds its prompt copy."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._setup(w_q, w_scale, bias, kernel)
+        return self
+
+    def nbytes(self) -> int:
+        """Bytes of the weights as this kernel holds them (int8, or the exact fp32 slices' 4 bytes a weight)."""
+        return self.in_features * self.out_features * (1 if self.kernel == "int_mm" else 4) + 4 * self.out_features
 
     def _fp32_product(self, x_q: torch.Tensor) -> torch.Tensor:
         """x_q @ w_qᵀ, exact, as int32 (or as float32 when one slice: its integers are exact there)."""
