@@ -176,8 +176,8 @@ def test_reused_heads_and_follow_ups_answer_as_read_whole(copied):
 
 
 def test_the_setting_is_checked_and_wins_over_a_models_own():
-    """RAGSPEC_GGUF_PROMPT decides when set; unset, a model's measured setting (registry `prompt_copy`: the 1.5B's
-    int8) does, where int8 units run it."""
+    """RAGSPEC_GGUF_PROMPT decides when set; unset, a model's measured setting (registry `prompt_copy`: the Qwen
+    models' int8) does, where int8 units run it."""
     import os
     from unittest import mock
 
@@ -196,5 +196,6 @@ def test_the_setting_is_checked_and_wins_over_a_models_own():
         here = "int8" if int8_kernel() == "int_mm" else None
         assert gguf_linear.prompt_copy_kind(default="int8") == here and gguf_linear.prompt_copy_kind() is None
         assert prompt_copy_key(SMOL) == "0"  # models without one keep their calibration keys
-        assert lookup("qwen2.5-coder-1.5b-instruct").extra["prompt_copy"] == "int8"
+        for name in ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"):
+            assert lookup(name).extra["prompt_copy"] == "int8"
         assert prompt_copy_key("qwen2.5-coder-1.5b-instruct") == (here or "0")

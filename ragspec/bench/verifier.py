@@ -187,6 +187,36 @@ def int8_prompt_pairs(model: str, rounds: int) -> None:
     switch(1)
 
 
+def prompt_kernel_pairs(model: str, rounds: int) -> None:
+    """dtype gguf with the int8 prompt copy, prompts read (`prompt_mode.prompt_forward`) with the copy's rows on
+    the step kernels and PyTorch's per-row passes (0) and on `prompt_attention.cpp` and `int8_rows.cpp` (1). The
+    attention's arithmetic differs, so the logits do too: the largest difference is printed."""
+    import os
+    from unittest import mock
+
+    from ragspec.decoding.prompt_mode import prompt_forward
+    from ragspec.models.generator import load_generator
+    from ragspec.models.gguf_linear import GGUFLinear
+
+    with mock.patch.dict(os.environ, {"RAGSPEC_GGUF_PROMPT": "int8"}):
+        hf, _ = load_generator(model, "cpu", "gguf")
+    copies = [m.prompt_int8 for m in hf.modules() if isinstance(m, GGUFLinear) and m.prompt_int8 is not None]
+    if not copies:
+        raise SystemExit("no int8 prompt copy here: it needs int8 units (VNNI/AMX) that torch._int_mm runs on")
+    ops = copies[0].ops
+    configs = {id(c): c for c in [hf.config] + [getattr(s, "config", None) for s in hf.modules()] if c is not None}
+
+    def switch(mode):
+        for c in copies:
+            c.ops = ops if mode else None
+        for cfg in configs.values():
+            cfg.ragspec_prompt_attention = bool(mode)
+
+    with prompt_forward():
+        switched_pairs(hf, rounds, switch, ("before_ms", "after_ms"), sizes=())
+    switch(1)
+
+
 def switched_pairs(hf, rounds: int, switch, names, prompts=(353, 1024), sizes=(1, 16, 64), steps: int = 20) -> None:
     """Runs alternated in one process between `switch(0)` and `switch(1)`: prefill of each prompt length in the
     backend's 512-token chunks, then single steps of each size over a 1,024-token context. One JSON line per
@@ -297,6 +327,8 @@ def main(argv=None) -> None:
                    help="dtype gguf's prompt chunks on the integer kernel and on the bf16 prompt copy, N of each")
     p.add_argument("--int8-prompt", type=int, default=0, metavar="N",
                    help="dtype gguf's prompts on the integer kernel and on the int8 prompt copy, N of each")
+    p.add_argument("--prompt-kernels", type=int, default=0, metavar="N",
+                   help="the int8 prompt copy's rows on the step kernels and on the prompt kernels, N of each")
     args = p.parse_args(argv)
     flags = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))))
     print(json.dumps({"utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -311,6 +343,8 @@ def main(argv=None) -> None:
         prompt_copy_pairs(args.model, args.prompt_copy)
     elif args.int8_prompt:
         int8_prompt_pairs(args.model, args.int8_prompt)
+    elif args.prompt_kernels:
+        prompt_kernel_pairs(args.model, args.prompt_kernels)
     elif args.interleave:
         interleaved(args.model, args.interleave)
     else:

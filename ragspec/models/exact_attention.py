@@ -18,7 +18,10 @@ is, in practice, the same bits whichever way the rows were batched. The cost is 
 A model whose config has `ragspec_native_attention` (dtype gguf, whose C++ kernels are built anyway) runs
 `attention_kernel.cpp` instead: float32 with every sum in a fixed order, one task per query row and key/value head
 reading the float32 cache in place (its query heads together, block by block), so a row's result is the same bits
-however rows are batched by construction, and no step converts the whole cache to float64.
+however rows are batched by construction, and no step converts the whole cache to float64. A model that reads its
+prompts with a prompt copy (`ragspec_prompt_attention`: dtype gguf's int8 copy) runs the rows of its prompt
+forwards (`decoding/prompt_mode.py`) in `prompt_attention.cpp`: as row-independent, in GEMM-shaped tiles (prompt
+positions are never read as steps there, so their arithmetic may differ from a step's).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ragspec.decoding.backends.attention import WEIGHTS_FLAG
+from ragspec.decoding.prompt_mode import reading_prompt
 
 NAME = "ragspec_exact"
 QUERY_BLOCK = 256  # queries per float64 score block: bounds memory on long prompts (rows are independent)
@@ -41,7 +45,9 @@ def exact_attention(module, query, key, value, attention_mask, scaling, dropout=
     weights = _weights(query, key, attention_mask, scaling) if getattr(module, WEIGHTS_FLAG, False) else None
     if (getattr(module.config, "ragspec_native_attention", False) and not softcap and query.device.type == "cpu"
             and query.dtype == key.dtype == value.dtype == torch.float32):
-        return _native(query, key, value, attention_mask, scaling), weights
+        prompt = getattr(module.config, "ragspec_prompt_attention", False) and reading_prompt() and \
+            query.shape[-1] % 16 == 0
+        return _native(query, key, value, attention_mask, scaling, prompt), weights
     b, h, q_len, d = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     groups = h // kv_heads  # query head i reads key/value head i // groups (transformers' repeat_kv)
@@ -92,8 +98,9 @@ def _weights(query, key, attention_mask, scaling) -> torch.Tensor:
     return torch.softmax(scores, dim=-1)
 
 
-def _native(query, key, value, attention_mask, scaling) -> torch.Tensor:
-    """`attention_kernel.cpp`'s exact attention ([B, Q, H, D]); a boolean mask becomes an additive one."""
+def _native(query, key, value, attention_mask, scaling, prompt: bool = False) -> torch.Tensor:
+    """`attention_kernel.cpp`'s exact attention ([B, Q, H, D]), or with `prompt` `prompt_attention.cpp`'s (rows
+    read by a prompt copy); a boolean mask becomes an additive one."""
     from ragspec.models.gguf_kernel import load_kernels
 
     mask = attention_mask
@@ -107,7 +114,8 @@ def _native(query, key, value, attention_mask, scaling) -> torch.Tensor:
             mask = mask.float().masked_fill_(mask <= torch.finfo(mask.dtype).min, torch.finfo(torch.float32).min)
         if mask.shape[-1] > 1 and mask.stride(-1) != 1:
             mask = mask.contiguous()
-    return load_kernels().exact_attention(query, key, value, mask, float(scaling))
+    ops = load_kernels()
+    return (ops.prompt_attention if prompt else ops.exact_attention)(query, key, value, mask, float(scaling))
 
 
 def fast_prompt_attention(module, query, *args, **kwargs):

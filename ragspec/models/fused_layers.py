@@ -39,7 +39,17 @@ class FusedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
-        if (self._int8 and reading_prompt()) or (self._prompt and x.numel() > PROMPT_ROWS * g.in_features):
+        if self._int8 and reading_prompt():  # the int8 copy: x quantized once for gate and up
+            gc, uc, dc = g.prompt_int8, u.prompt_int8, d.prompt_int8
+            x_q, x_scale = gc.quantize(x.reshape(-1, gc.in_features).float())
+            if gc.ops is not None and uc.ops is not None and dc.ops is not None and dc.bias is None:
+                # gate and up scaled, SiLU-gated and quantized for down in one pass (int8_rows.cpp)
+                h_q, h_scale = gc.ops.int8_glu(torch._int_mm(x_q, gc.w_q.t()), torch._int_mm(x_q, uc.w_q.t()),
+                                               x_scale, gc.w_scale, uc.w_scale)
+                return dc.product(h_q, h_scale).to(x.dtype).reshape(*x.shape[:-1], dc.out_features)
+            h = self.act_fn(gc.product(x_q, x_scale)) * uc.product(x_q, x_scale)
+            return d(h.to(x.dtype).reshape(*x.shape[:-1], gc.out_features))
+        if self._prompt and x.numel() > PROMPT_ROWS * g.in_features:
             return d(self.act_fn(g(x)) * u(x))
         y = self.ops.mlp(x if x.dtype == torch.float32 else x.float(), *g.kernel_args()[:4], g.code,
                          *u.kernel_args()[:4], u.code, *d.kernel_args()[:4], d.code, g.out_features, d.out_features)

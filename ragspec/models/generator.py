@@ -111,7 +111,7 @@ def generator_gguf(name: str):
 
 def prompt_copy(name: str) -> str | None:
     """The weight copy dtype gguf reads `name`'s prompts with here: RAGSPEC_GGUF_PROMPT's, or unset, the model's
-    measured setting (registry `prompt_copy`: the 1.5B's int8), where the CPU runs it."""
+    measured setting (registry `prompt_copy`: the Qwen models' int8), where the CPU runs it."""
     from ragspec.models.gguf_linear import prompt_copy_kind
 
     embedded = lookup(name, "generator")

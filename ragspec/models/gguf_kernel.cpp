@@ -927,39 +927,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wh
   return y.view(shape);
 }
 
-// exp for SiLU (kernel_math.h), the argument clamped to float's range
-constexpr float EXP_HI = 88.3762626647949f, EXP_LO = -87.3365447504f;
-
-inline float exp1(float x) { return ragspec_math::exp_in_range(std::fmin(std::fmax(x, EXP_LO), EXP_HI)); }
-
-#if defined(__AVX2__) && defined(__FMA__)
-inline __m256 exp8(__m256 x) {
-  return ragspec_math::exp_in_range8(_mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI)));
-}
-#endif
-
-// h[c] = silu(g[c]) * u[c] for c < n; sixteen or eight lanes at a time where the CPU has them, each lane with the
-// operations of the scalar loop, so an element's bits never depend on where the call starts.
-inline void silu_mul(const float* g, const float* u, float* h, int64_t n) {
-  int64_t c = 0;
-#if defined(__AVX512F__)
-  for (; c + 16 <= n; c += 16) {
-    const __m512 a = _mm512_loadu_ps(g + c);
-    const __m512 x = _mm512_sub_ps(_mm512_setzero_ps(), a);
-    const __m512 e = ragspec_math::exp_in_range16(
-        _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI)));
-    _mm512_storeu_ps(h + c, _mm512_mul_ps(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), _mm512_loadu_ps(u + c)));
-  }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-  for (; c + 8 <= n; c += 8) {
-    const __m256 a = _mm256_loadu_ps(g + c);
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
-    _mm256_storeu_ps(h + c, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), _mm256_loadu_ps(u + c)));
-  }
-#endif
-  for (; c < n; ++c) h[c] = g[c] / (1.0f + exp1(-g[c])) * u[c];
-}
+using ragspec_math::silu_mul;  // h = silu(g) * u (kernel_math.h)
 
 // g, u [M, n] float32 -> silu(g) * u as mlp computes it (the parts of mlp, for tests that compare it with them).
 at::Tensor silu_mul_op(const at::Tensor& g_in, const at::Tensor& u_in) {

@@ -1,5 +1,6 @@
 """Build (once per CPU) and load ragspec's C++ CPU kernels: `torch.ops.ragspec_gguf.*` (the GGUF-block linears of
-`gguf_kernel.cpp`, the exact attention of `attention_kernel.cpp`).
+`gguf_kernel.cpp`, the exact attention of `attention_kernel.cpp`, the prompt rows' attention of
+`prompt_attention.cpp`, the int8 prompt copy's one-pass steps of `int8_rows.cpp`).
 
 The kernels are compiled with `-march=native` for the CPU they run on (VNNI where it has it, AVX2's
 `maddubs` where not, plain C elsewhere), so the build is keyed by the CPU's flags and the source's hash, kept
@@ -18,7 +19,8 @@ from pathlib import Path
 from ragspec.errors import RagspecError
 from ragspec.paths import ragspec_home
 
-SOURCES = [Path(__file__).with_name("gguf_kernel.cpp"), Path(__file__).with_name("attention_kernel.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("gguf_kernel.cpp", "attention_kernel.cpp", "prompt_attention.cpp", "int8_rows.cpp")]
 HEADERS = [Path(__file__).with_name("kernel_math.h")]  # included by the sources: in the digest, not compiled alone
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fopenmp"]
 log = logging.getLogger(__name__)
@@ -54,7 +56,7 @@ def load_kernels():
     """`torch.ops.ragspec_gguf`, built here first if this CPU has no build of this source yet."""
     import torch
 
-    if hasattr(torch.ops, "ragspec_gguf") and hasattr(torch.ops.ragspec_gguf, "exact_attention"):
+    if hasattr(torch.ops, "ragspec_gguf") and hasattr(torch.ops.ragspec_gguf, "scale_int32"):
         return torch.ops.ragspec_gguf
     key = build_key()
     folder = ragspec_home() / "kernels" / key

@@ -25,13 +25,16 @@ and mins then apply in integers, and its float work is two operations per 256 in
 
 Reading a prompt is another matter: hundreds of rows reuse every weight, so the bound is arithmetic, not bytes.
 RAGSPEC_GGUF_PROMPT picks a second copy of the weights for it; unset, a model's measured setting does (registry
-`prompt_copy`: the 1.5B's int8, answers within one standard error), and other models run every forward on the
-integer kernel:
+`prompt_copy`: the 0.5B's and the 1.5B's int8, answers within one standard error), and other models run every
+forward on the integer kernel:
 - `int8`, where `torch._int_mm` runs on int8 units (VNNI/AMX): each linear but lm_head keeps its de-quantized
   weights re-quantized to int8 per output channel (`int8_linear.Int8Linear`: activations int8 per row, exact
   int32 sums), used by the forwards the backends mark as reading prompt positions (`decoding/prompt_mode.py`),
   however many rows they have. Rows stay independent, so a prompt read in any chunks, or behind a reused prefix,
-  gives the same bits. 1 byte a weight more memory, and other numbers than the blocks' for those positions.
+  gives the same bits. 1 byte a weight more memory, and other numbers than the blocks' for those positions. Those
+  forwards' attention runs `prompt_attention.cpp` and the copy's per-row int8 steps `int8_rows.cpp` (the MLP's
+  SiLU and quantization for down in one pass): prompt positions are never read as steps, so their arithmetic
+  may be a prompt's own.
 - `1` (bf16), where the CPU has native bf16 (AVX512_BF16/AMX): a bf16 copy packed for oneDNN that any forward of
   more than `PROMPT_ROWS` rows uses (2 bytes a weight). No draft step is that large (trees stop at 256), but a
   prompt partly served by the prefix cache is read in fewer rows than the same prompt fresh and takes the other
@@ -349,7 +352,7 @@ class GGUFLinear(nn.Module):
 
             # kept with the packed blocks (`gguf_blocks.py`), or made here; the fp32 kernel gives the same numbers
             w_q, w_scale = kept if kept is not None else int8_copy(fmt, w, wh, sd, smn, rows, cols)
-            self.prompt_int8 = Int8Linear.from_quantized(w_q, w_scale, self.bias)
+            self.prompt_int8 = Int8Linear.from_quantized(w_q, w_scale, self.bias, ops=self.ops)
         elif kind:
             raise RagspecError(f"prompt copy '{kind}' is not bf16 or int8")
 
@@ -446,6 +449,9 @@ def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | str | No
         raise RagspecError(f"generator dtype gguf: no linear of {gguf_file} matched the model")
     model.ragspec_gguf = done  # the t(n) cost key's kernels part: kernels_key, once the MLPs are fused
     model.ragspec_prompt_copy = "int8" if kind == "int8" else None  # the backends mark its prompt forwards
+    for cfg in {id(c): c for c in [model.config] + [getattr(s, "config", None) for s in model.modules()]
+                if c is not None}.values():  # its prompt rows' attention: exact_attention.py
+        cfg.ragspec_prompt_attention = kind == "int8"
     return done
 
 

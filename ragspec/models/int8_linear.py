@@ -88,10 +88,14 @@ class Int8Linear(nn.Module):
         w_q, w_scale = quantize_rows(linear.weight.detach().float())
         self._setup(w_q, w_scale, linear.bias, kernel)
 
-    def _setup(self, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, kernel: str | None):
-        """w_q: [N, K] integer values (any dtype), w_scale: N scales."""
+    def _setup(self, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, kernel: str | None,
+               ops=None):
+        """w_q: [N, K] integer values (any dtype), w_scale: N scales; `ops`: the GGUF kernels, whose one-pass
+        quantize and scaling (`int8_rows.cpp`, the same bits) the `int_mm` kernel then uses."""
         self.out_features, self.in_features = w_q.shape
         self.kernel = kernel or int8_kernel()
+        self.ops = ops if self.kernel == "int_mm" else None
+        self._no_bias = torch.empty(0)
         self.register_buffer("w_scale", w_scale.reshape(1, -1).float().contiguous())  # [1, N]
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         if self.kernel == "int_mm":
@@ -119,12 +123,12 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_quantized(cls, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                       kernel: str | None = None) -> Int8Linear:
+                       kernel: str | None = None, ops=None) -> Int8Linear:
         """From weights already quantized as `quantize_rows` does (int8 [out, in] and a scale per output), as
-        dtype gguf's kept packing holds its prompt copy."""
+        dtype gguf's kept packing holds its prompt copy (`ops`: its kernels)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._setup(w_q, w_scale, bias, kernel)
+        self._setup(w_q, w_scale, bias, kernel, ops)
         return self
 
     def nbytes(self) -> int:
@@ -145,10 +149,16 @@ class Int8Linear(nn.Module):
             acc = r.to(torch.int32) if acc is None else acc.add_(r.to(torch.int32))
         return acc
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features).float()
-        x_q, x_scale = quantize_rows(x2)
+    def quantize(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`quantize_rows` of float32 rows [M, K], as this layer's product takes them (int8 from the one-pass
+        kernel)."""
+        return self.ops.quantize_rows_int8(x2) if self.ops is not None else quantize_rows(x2)
+
+    def product(self, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """(x_q @ w_qᵀ) · s_x[row] · s_w[col] (+ bias) as float32 [M, N], from `quantize`'s rows."""
+        if self.ops is not None:
+            return self.ops.scale_int32(torch._int_mm(x_q, self.w_q.t()), x_scale, self.w_scale,
+                                        self._no_bias if self.bias is None else self.bias)
         if self.kernel == "int_mm":
             acc = torch._int_mm(x_q.to(torch.int8), self.w_q.t())
         else:
@@ -156,6 +166,12 @@ class Int8Linear(nn.Module):
         y = acc.to(torch.float32).mul_(x_scale).mul_(self.w_scale)  # per element: s_x[row] × s_w[col]
         if self.bias is not None:
             y.add_(self.bias)
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).float()
+        y = self.product(*self.quantize(x2))
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

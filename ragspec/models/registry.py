@@ -71,8 +71,11 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             # the relevance gate measured for this generator, per embedder: (floor, doubt), chosen on CLAP NQ
             # 151-300 and NQ-open 201-400 (docs/evaluation.md, *Declining*; retrieve/relevance.py); the source
             # budget that halves the quickstart prompts with answers within one standard error of whole sources
-            # (docs/evaluation.md, *The source budget, measured*)
-            extra={"relevance_band": {"all-minilm-l6-v2": (0.49, 0.58)}, "source_tokens": 256},
+            # (docs/evaluation.md, *The source budget, measured*); dtype gguf reads its prompts with the int8 copy
+            # where int8 units run it: a 1,024-token prefill 0.6x the time, answers within one standard error
+            # (docs/decoding.md, *The int8 prompt copy*)
+            extra={"relevance_band": {"all-minilm-l6-v2": (0.49, 0.58)}, "source_tokens": 256,
+                   "prompt_copy": "int8"},
         ),
         EmbeddedModel(
             name="qwen2.5-coder-1.5b-instruct",
