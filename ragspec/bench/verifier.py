@@ -195,6 +195,7 @@ def prompt_kernel_pairs(model: str, rounds: int) -> None:
     from unittest import mock
 
     from ragspec.decoding.prompt_mode import prompt_forward
+    from ragspec.models.exact_attention import model_configs
     from ragspec.models.generator import load_generator
     from ragspec.models.gguf_linear import GGUFLinear
 
@@ -204,12 +205,12 @@ def prompt_kernel_pairs(model: str, rounds: int) -> None:
     if not copies:
         raise SystemExit("no int8 prompt copy here: it needs int8 units (VNNI/AMX) that torch._int_mm runs on")
     ops = copies[0].ops
-    configs = {id(c): c for c in [hf.config] + [getattr(s, "config", None) for s in hf.modules()] if c is not None}
+    configs = model_configs(hf)
 
     def switch(mode):
         for c in copies:
             c.ops = ops if mode else None
-        for cfg in configs.values():
+        for cfg in configs:
             cfg.ragspec_prompt_attention = bool(mode)
 
     with prompt_forward():

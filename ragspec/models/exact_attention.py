@@ -146,12 +146,18 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, eager_mask)
 
 
+def model_configs(model) -> list:
+    """The model's config and every sub-config its modules read (a text config under a multimodal one), once
+    each: where the attention's `ragspec_*` switches must be set."""
+    configs = [model.config] + [getattr(m, "config", None) for m in model.modules()]
+    return list({id(c): c for c in configs if c is not None}.values())
+
+
 def use_exact_attention(model, prompt_rows: int | None = None, native: bool = False) -> None:
     """Switch a loaded model to this attention; with `prompt_rows`, forwards of more query rows use SDPA; with
     `native`, float32 attention runs in the C++ kernel (`attention_kernel.cpp`)."""
     register()
-    for cfg in {id(c): c for c in [model.config] + [getattr(s, "config", None) for s in model.modules()]
-                if c is not None}.values():  # sub-configs (a text config under a multimodal one) read it too
+    for cfg in model_configs(model):
         cfg.ragspec_prompt_rows = prompt_rows
         cfg.ragspec_native_attention = native
     model.set_attn_implementation(NAME)

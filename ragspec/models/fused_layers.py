@@ -3,9 +3,9 @@
 Why: once the linears read what the GGUF holds, a one-token step of the 1.5B spends a quarter of its time outside
 them, in ~40 small PyTorch ops and module calls a layer. The MLP fused quantizes its input once for gate and up
 and never leaves C++; RMSNorm runs its mean in a fixed order. Both compute each row from that row alone, so a
-token's logits stay the same bits alone or inside a draft tree. A forward of more rows than `PROMPT_ROWS` with
-the opt-in bf16 prompt copy, or a prompt forward with the opt-in int8 copy, keeps the modules' own path (their
-linears then multiply with the copy).
+token's logits stay the same bits alone or inside a draft tree. A prompt forward with the int8 prompt copy (the
+default of both Qwen models) quantizes x once for gate and up and runs the middle in `int8_glu`; a forward of more
+rows than `PROMPT_ROWS` with the opt-in bf16 copy keeps the modules' own path (their linears multiply with it).
 """
 
 from __future__ import annotations

@@ -449,8 +449,9 @@ def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | str | No
         raise RagspecError(f"generator dtype gguf: no linear of {gguf_file} matched the model")
     model.ragspec_gguf = done  # the t(n) cost key's kernels part: kernels_key, once the MLPs are fused
     model.ragspec_prompt_copy = "int8" if kind == "int8" else None  # the backends mark its prompt forwards
-    for cfg in {id(c): c for c in [model.config] + [getattr(s, "config", None) for s in model.modules()]
-                if c is not None}.values():  # its prompt rows' attention: exact_attention.py
+    from ragspec.models.exact_attention import model_configs
+
+    for cfg in model_configs(model):  # its prompt rows' attention: exact_attention.py
         cfg.ragspec_prompt_attention = kind == "int8"
     return done
 
