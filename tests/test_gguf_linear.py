@@ -18,15 +18,8 @@ from ragspec.decoding.budget import AdaptiveBudget, CostModel
 from ragspec.decoding.drafters import make_drafter
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.errors import RagspecError
-from ragspec.models.gguf_linear import (
-    GROUP,
-    PROMPT_ROWS,
-    GGUFLinear,
-    decode_blocks,
-    pack,
-    requantize_s8,
-    unpack,
-)
+from ragspec.models.gguf_formats import GROUP, decode_blocks, pack, requantize_s8, unpack
+from ragspec.models.gguf_linear import PROMPT_ROWS, GGUFLinear
 from ragspec.models.registry import lookup, part_paths
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
@@ -368,8 +361,9 @@ def test_q8k_rule_is_on_where_amx_runs_and_kept_where_the_fused_mlp_can_run_it(m
     RAGSPEC_GGUF_Q8K=0/1 says; the fused MLP quantizes x once for gate and up, so it keeps the rule only where both
     take it, and its down (input quantized a group at a time) on the group rule."""
     from ragspec.models.fused_layers import FusedMLP
+    from ragspec.models.gguf_formats import FORMATS, SUPERBLOCK
     from ragspec.models.gguf_kernel import amx_expected
-    from ragspec.models.gguf_linear import FORMATS, SUPERBLOCK, superblock_activations
+    from ragspec.models.gguf_linear import superblock_activations
 
     monkeypatch.delenv("RAGSPEC_GGUF_Q8K", raising=False)
     assert random_linear("u4k", 16, 256, rule=None).code == (SUPERBLOCK if amx_expected() else FORMATS["u4k"])

@@ -111,7 +111,8 @@ def q8k_pairs(model: str, rounds: int) -> None:
     from unittest import mock
 
     from ragspec.models.generator import load_generator
-    from ragspec.models.gguf_linear import FORMATS, SUPERBLOCK, GGUFLinear
+    from ragspec.models.gguf_formats import FORMATS, SUPERBLOCK
+    from ragspec.models.gguf_linear import GGUFLinear
 
     with mock.patch.dict(os.environ, {"RAGSPEC_GGUF_Q8K": "1"}):
         hf, _ = load_generator(model, "cpu", "gguf")

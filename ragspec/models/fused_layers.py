@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from ragspec.decoding.prompt_mode import reading_prompt
-from ragspec.models.gguf_linear import FORMATS, PROMPT_ROWS, SUPERBLOCK, GGUFLinear
+from ragspec.models.gguf_formats import FORMATS, SUPERBLOCK
+from ragspec.models.gguf_linear import PROMPT_ROWS, GGUFLinear
 
 
 class FusedMLP(nn.Module):

@@ -4,8 +4,8 @@ Why: decoding a GGUF's blocks and re-laying them for the kernel takes 1.8 s (0.5
 (with `gguf.GGUFReader`, which turns every metadata value into arrays first, it had taken 14 s and 23 s of every
 process's start). The packed tensors are what the kernel reads, so they are kept as one safetensors file under
 `$RAGSPEC_HOME/models/` and later loads read that (0.4 and 1.0 GB). The file's name carries
-a key: the GGUF's path, size and modification time, the packing code (this module's and `gguf_linear.py`'s
-source) and the head counts Llama's q/k rows are un-permuted by; so a changed file or packing never reuses it. It
+a key: the GGUF's path, size and modification time, the packing code (this module, `gguf_formats.py` and
+`int8_linear.quantize_rows`, which makes the int8 copy's numbers) and the head counts Llama's q/k rows are un-permuted by; so a changed file or packing never reuses it. It
 is written under a temporary name and renamed when complete (one writer at a time, by a lock), older packings of
 the same GGUF are removed then, and a file that does not read back whole is deleted and packed again.
 """
@@ -53,8 +53,15 @@ class Packed:
 
 @functools.lru_cache(maxsize=1)
 def packing_digest() -> str:
+    """Names the code whose output is kept: the packing (this module), the formats, and the int8 copy's rule. Not
+    the modules that run the kernels, so an edit there keeps every machine's packings."""
+    import inspect
+
+    from ragspec.models.int8_linear import QMAX, quantize_rows
+
     here = Path(__file__)
-    text = here.read_bytes() + here.with_name("gguf_linear.py").read_bytes()
+    text = here.read_bytes() + here.with_name("gguf_formats.py").read_bytes()
+    text += f"{inspect.getsource(quantize_rows)}|{QMAX}".encode()
     return hashlib.sha256(text).hexdigest()[:10]
 
 
@@ -74,7 +81,7 @@ def _tag(int8_copy: bool) -> str:
 def packed_blocks(gguf_file, heads: int, kv_heads: int, int8_copy: bool = False) -> tuple[str, dict[str, Packed]]:
     """(architecture, {HF module name: Packed}) for every linear of `gguf_file`, `lm_head` included (from
     `output.weight`, or the tied `token_embd.weight`): read from its packing, or packed here and kept. With
-    `int8_copy`, every linear but lm_head also holds its int8 prompt copy (`gguf_linear.int8_copy`): building it
+    `int8_copy`, every linear but lm_head also holds its int8 prompt copy (`gguf_formats.int8_copy`): building it
     at load took the 1.5B 11.6 s of every process's start."""
     path = blocks_path(gguf_file, heads, kv_heads, int8_copy)
     got = _read(path)
@@ -172,7 +179,7 @@ _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8} 
 
 
 def _pack(gguf_file, heads: int, kv_heads: int, int8_copy: bool = False) -> tuple[str, dict[str, Packed]]:
-    from ragspec.models.gguf_linear import hf_module_name
+    from ragspec.models.gguf_formats import hf_module_name
 
     arch, tensors = read_tensors(gguf_file)
     if arch not in ARCHS:
@@ -187,8 +194,8 @@ def _pack(gguf_file, heads: int, kv_heads: int, int8_copy: bool = False) -> tupl
 
 
 def _pack_one(arch: str, target: str, t: Tensor, heads: int, kv_heads: int, int8_copy: bool = False) -> Packed:
-    from ragspec.models.gguf_linear import _unpermute_rows, decode_blocks, pack, scale_tensors
-    from ragspec.models.gguf_linear import int8_copy as make_copy
+    from ragspec.models.gguf_formats import _unpermute_rows, decode_blocks, pack, scale_tensors
+    from ragspec.models.gguf_formats import int8_copy as make_copy
 
     cols, rows = t.shape[:2]  # ggml lists the innermost dimension first
     fmt, q, d, m = decode_blocks(t.data, t.type_name, rows, cols)
