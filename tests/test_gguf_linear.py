@@ -334,7 +334,7 @@ def test_gguf_is_cpu_only_and_named_in_the_cost_key(smol_gguf):
     model, _ = smol_gguf
     from ragspec.models.gguf_kernel import source_digest
 
-    assert TransformersBackend.cost_key(model).endswith(f"-gguf-{source_digest()}")  # another build costs otherwise
+    assert TransformersBackend.cost_key(model).endswith(f"-gguf-{source_digest()}-step")  # another build costs otherwise
     assert GeneratorSettings(dtype="gguf").dtype == "gguf"
     with pytest.raises(RagspecError, match="CPU only"):
         load_generator(SMOL, device="cuda", dtype="gguf")

@@ -17,6 +17,8 @@ chunks between the integer kernel and the opt-in bf16 prompt copy (`RAGSPEC_GGUF
 with AMX only when `ONEDNN_MAX_CPU_ISA=AVX512_CORE_AMX` is set before the run (ragspec caps it otherwise).
 `--int8-prompt N` likewise switches prompt reads between the integer kernel and the int8 prompt copy
 (`RAGSPEC_GGUF_PROMPT=int8`), prefills only (steps never read the copy), and prints the copy's size.
+`--step-forward N` runs dtype gguf's steps (1, 4 and 16 rows over 1,024 tokens) on the module tree and on the lean
+step loop (`models/step_forward.py`) in turn, N of each, and says whether the logits were the same bits.
 """
 
 from __future__ import annotations
@@ -219,6 +221,25 @@ def prompt_kernel_pairs(model: str, rounds: int) -> None:
     switch(1)
 
 
+def step_forward_pairs(model: str, rounds: int) -> None:
+    """dtype gguf's steps through transformers' module tree (0) and the lean step loop (1), alternated."""
+    from ragspec.models.generator import load_generator
+
+    hf, _ = load_generator(model, "cpu", "gguf")
+    lean = vars(hf).get("forward")
+    if lean is None:
+        raise SystemExit("the lean step loop is not installed for this model (RAGSPEC_STEP_FORWARD=0?)")
+
+    def switch(mode):
+        if mode:
+            hf.forward = lean
+        else:
+            vars(hf).pop("forward", None)
+
+    switched_pairs(hf, rounds, switch, ("modules_ms", "step_loop_ms"), prompts=(), sizes=(1, 4, 16), steps=rounds)
+    switch(1)
+
+
 def switched_pairs(hf, rounds: int, switch, names, prompts=(353, 1024), sizes=(1, 16, 64), steps: int = 20) -> None:
     """Runs alternated in one process between `switch(0)` and `switch(1)`: prefill of each prompt length in the
     backend's 512-token chunks, then single steps of each size over a 1,024-token context. One JSON line per
@@ -331,6 +352,8 @@ def main(argv=None) -> None:
                    help="dtype gguf's prompts on the integer kernel and on the int8 prompt copy, N of each")
     p.add_argument("--prompt-kernels", type=int, default=0, metavar="N",
                    help="the int8 prompt copy's rows on the step kernels and on the prompt kernels, N of each")
+    p.add_argument("--step-forward", type=int, default=0, metavar="N",
+                   help="dtype gguf's steps on the module tree and on the lean step loop, N of each")
     args = p.parse_args(argv)
     flags = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))))
     print(json.dumps({"utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -347,6 +370,8 @@ def main(argv=None) -> None:
         int8_prompt_pairs(args.model, args.int8_prompt)
     elif args.prompt_kernels:
         prompt_kernel_pairs(args.model, args.prompt_kernels)
+    elif args.step_forward:
+        step_forward_pairs(args.model, args.step_forward)
     elif args.interleave:
         interleaved(args.model, args.interleave)
     else:

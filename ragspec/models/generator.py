@@ -87,6 +87,11 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
         # (opt-in) reads long prompt chunks with PyTorch's attention, as it reads them with that copy
         use_exact_attention(model, prompt_rows=_gguf_prompt_rows() if dtype == "gguf" else None,
                             native=dtype == "gguf")
+        if dtype == "gguf":
+            from ragspec.models.step_forward import install
+
+            if install(model):  # draft steps in one loop over the layers' kernels: the same bits, less around them
+                model.ragspec_kernels += "-step"
     elif device == "cpu":
         from ragspec.models.tree_attention import use_tree_attention
 

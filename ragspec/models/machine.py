@@ -224,12 +224,14 @@ def table_key(model: str, cpu: dict | None = None, candidates=CANDIDATES) -> str
     from ragspec.models.generator import prompt_copy_key
     from ragspec.models.gguf_kernel import source_digest
     from ragspec.models.gguf_linear import superblock_activations
+    from ragspec.models.step_forward import wanted as step_forward_wanted
 
     cpu = cpu or cpu_info()
     model_id = model if not Path(model).expanduser().exists() else str(Path(model).expanduser().resolve())
     parts = [FORMAT, model_id, cpu["model"], cpu["flags_hash"], cpu["threads"], cpu["cores"], torch.__version__,
              _llama_version(), source_digest(), os.environ.get("RAGSPEC_PACKED_LINEAR", "1"), prompt_copy_key(model),
-             "1" if superblock_activations() else "0", CONTEXT, SIZES, [c.name for c in candidates]]
+             "1" if superblock_activations() else "0", "step" if step_forward_wanted() else "modules", CONTEXT, SIZES,
+             [c.name for c in candidates]]
     h = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
     slug = "".join(c if c.isalnum() or c in ".-_" else "_" for c in Path(model).name.lower())[:48]
     return f"machine-{slug}-cpu{cpu['flags_hash']}-t{cpu['threads']}c{cpu['cores']}-{h}"
