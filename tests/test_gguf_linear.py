@@ -20,7 +20,7 @@ from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.errors import RagspecError
 from ragspec.models.gguf_formats import GROUP, decode_blocks, pack, requantize_s8, unpack
 from ragspec.models.gguf_linear import PROMPT_ROWS, GGUFLinear
-from ragspec.models.registry import lookup, part_paths
+from ragspec.models.registry import installed, lookup
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
 SMOL = "smollm2-135m-instruct"
@@ -186,15 +186,7 @@ def test_q4_1_and_q8_0_map_exactly():
         assert np.array_equal(got, want), kind
 
 
-def _installed(name: str) -> bool:
-    try:
-        part_paths(lookup(name, "generator"))
-    except RagspecError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _installed(QWEN), reason="the 0.5B's weight packages are not installed")
+@pytest.mark.skipif(not installed(QWEN), reason="the 0.5B's weight packages are not installed")
 def test_qwen_blocks_map_as_documented():
     """Q5_0, Q4_K and Q6_K exactly: the K-quants keep their sub-scales as stored, D·sc is exact in float32."""
     found = _tensors(QWEN, {"Q5_0", "Q4_K", "Q6_K"})

@@ -12,7 +12,7 @@ import pytest
 
 from ragspec.errors import RagspecError
 from ragspec.models import gguf_cache
-from ragspec.models.registry import EMBEDDED, lookup, part_paths, sha256_file
+from ragspec.models.registry import EMBEDDED, installed, lookup, part_paths, sha256_file
 
 
 def test_embedded_models_are_installed_and_pinned():
@@ -20,7 +20,8 @@ def test_embedded_models_are_installed_and_pinned():
         if m.optional:
             continue
         paths = part_paths(m)
-        assert len(paths) == len(m.parts)
+        assert len(paths) == len(m.parts) and installed(m.name, m.kind)
+    assert not installed("no-such-model") and not installed("all-minilm-l6-v2", "generator")
     smol = lookup("smollm2-135m-instruct")
     (gguf,) = part_paths(smol)
     assert gguf.stat().st_size == smol.size

@@ -13,8 +13,7 @@ from transformers import DynamicCache
 from ragspec.decoding.backends.growing_cache import growing
 from ragspec.decoding.backends.transformers import cache_arg
 from ragspec.decoding.prompt_mode import prompt_forward
-from ragspec.errors import RagspecError
-from ragspec.models.registry import lookup, part_paths
+from ragspec.models.registry import installed
 from ragspec.models.step_forward import step_forward
 
 SMOL = "smollm2-135m-instruct"
@@ -22,16 +21,8 @@ QWEN = "qwen2.5-coder-0.5b-instruct"  # Qwen2: biased q, k and v, the default ge
 MIN = torch.finfo(torch.float32).min
 
 
-def _installed(name: str) -> bool:
-    try:
-        part_paths(lookup(name, "generator"))
-    except RagspecError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module", params=[SMOL, pytest.param(QWEN, marks=pytest.mark.skipif(
-    not _installed(QWEN), reason="the 0.5B's weight packages are not installed"))])
+    not installed(QWEN), reason="the 0.5B's weight packages are not installed"))])
 def gguf(request):
     from ragspec.models.generator import load_generator
 

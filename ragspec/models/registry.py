@@ -141,6 +141,15 @@ def part_paths(model: EmbeddedModel) -> list[Path]:
     return paths
 
 
+def installed(name: str, kind: Kind | None = None) -> bool:
+    """Whether `name` is an embedded model (of `kind`, if given) whose weight packages are installed here."""
+    try:
+        model = lookup(name, kind)
+        return model is not None and bool(part_paths(model))
+    except RagspecError:
+        return False
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
