@@ -103,19 +103,20 @@ def _native(query, key, value, attention_mask, scaling, prompt: bool = False) ->
     read by a prompt copy); a boolean mask becomes an additive one."""
     from ragspec.models.gguf_kernel import load_kernels
 
-    mask = attention_mask
-    if mask is None:
-        mask = torch.empty(0)
-    else:
-        mask = mask[..., : key.shape[2]]
-        if mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape).masked_fill_(~mask, torch.finfo(torch.float32).min)
-        elif mask.dtype != torch.float32:
-            mask = mask.float().masked_fill_(mask <= torch.finfo(mask.dtype).min, torch.finfo(torch.float32).min)
-        if mask.shape[-1] > 1 and mask.stride(-1) != 1:
-            mask = mask.contiguous()
+    mask = torch.empty(0) if attention_mask is None else kernel_mask(attention_mask, key.shape[2])
     ops = load_kernels()
     return (ops.prompt_attention if prompt else ops.exact_attention)(query, key, value, mask, float(scaling))
+
+
+def kernel_mask(mask: torch.Tensor, keys: int) -> torch.Tensor:
+    """A forward's mask over its first `keys` keys as the C++ kernels read it: additive float32 (the dtype's
+    minimum where hidden; a boolean mask's False), rows contiguous."""
+    mask = mask[..., :keys]
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape).masked_fill_(~mask, torch.finfo(torch.float32).min)
+    elif mask.dtype != torch.float32:
+        mask = mask.float().masked_fill_(mask <= torch.finfo(mask.dtype).min, torch.finfo(torch.float32).min)
+    return mask.contiguous() if mask.shape[-1] > 1 and mask.stride(-1) != 1 else mask
 
 
 def fast_prompt_attention(module, query, *args, **kwargs):

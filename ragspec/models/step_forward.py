@@ -21,7 +21,17 @@ import os
 import weakref
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ragspec.decoding.backends.attention import WEIGHTS_FLAG
+from ragspec.decoding.backends.growing_cache import GrowingLayer
+from ragspec.decoding.prompt_mode import reading_prompt
+from ragspec.models.exact_attention import NAME, kernel_mask
+from ragspec.models.gguf_kernel import load_kernels
+
+# the output's cache field: `cache` in recent transformers 5.x (5.24 warns on `past_key_values`), that before
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 DECODERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")  # pre-norm, SiLU MLP, rotary q/k, no embedding scale
 
 
@@ -78,10 +88,6 @@ def _supported(model) -> bool:
 
 def _cache_ok(cache, layers: int) -> bool:
     """A DynamicCache whose layers append (plain or growing: not the static verifier's slots, not a window)."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
-    from ragspec.decoding.backends.growing_cache import GrowingLayer
-
     return (isinstance(cache, DynamicCache) and not getattr(cache, "offloading", False)
             and len(cache.layers) == layers and all(type(x) in (DynamicLayer, GrowingLayer) for x in cache.layers))
 
@@ -91,10 +97,6 @@ def step_forward(model, input_ids=None, position_ids=None, attention_mask=None, 
                  return_dict=True, cache_position=None, **rest):
     """`model`'s forward for a step (`CausalLMOutputWithPast` with its logits and cache), or None where the
     module tree must run it (see the module)."""
-    from ragspec.decoding.backends.attention import WEIGHTS_FLAG
-    from ragspec.decoding.prompt_mode import reading_prompt
-    from ragspec.models.exact_attention import NAME
-
     cache = cache if cache is not None else past_key_values
     inner = model.model
     layers = inner.layers
@@ -108,7 +110,7 @@ def step_forward(model, input_ids=None, position_ids=None, attention_mask=None, 
     limit = cfg.ragspec_prompt_rows  # the opt-in bf16 copy reads longer forwards with PyTorch's attention
     if batch != 1 or rows == 0 or (limit is not None and rows > limit):
         return None
-    if any(getattr(layer.self_attn, WEIGHTS_FLAG, False) for layer in layers):
+    if any(vars(layer.self_attn).get(WEIGHTS_FLAG) for layer in layers):  # set as a plain attribute
         return None  # attention weights captured (PLD+ (a)): the modules' hooks read them
     past = cache.get_seq_length()
     mask = _mask(attention_mask, rows, past + rows)
@@ -116,8 +118,6 @@ def step_forward(model, input_ids=None, position_ids=None, attention_mask=None, 
         return None  # a mask of another form; a causal mask that would follow cache_position
     if position_ids is None:
         position_ids = torch.arange(past, past + rows)[None]
-    from ragspec.models.gguf_kernel import load_kernels
-
     ops = load_kernels()
     h = inner.embed_tokens(input_ids)
     cos, sin = inner.rotary_emb(h, position_ids)
@@ -135,11 +135,7 @@ def step_forward(model, input_ids=None, position_ids=None, attention_mask=None, 
 
 
 def _output(logits: torch.Tensor, cache):
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    # the cache's field is `cache` in recent transformers 5.x (5.24 warns on `past_key_values`), that before
-    field = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-    return CausalLMOutputWithPast(logits=logits, **{field: cache})
+    return CausalLMOutputWithPast(logits=logits, **{_CACHE_FIELD: cache})
 
 
 def _attention_inputs(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -157,8 +153,8 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 
 def _mask(attention_mask, rows: int, keys: int):
-    """The additive float32 mask [1, 1, rows, keys] the kernel reads (what `exact_attention._native` makes of the
-    forward's mask), an empty tensor for one row and no mask, or None for a mask of another form."""
+    """The additive float32 mask [1, 1, rows, keys] the kernel reads (`exact_attention.kernel_mask`), an empty
+    tensor for one row and no mask, or None for a mask of another form."""
     if attention_mask is None:
         if rows == 1:
             return torch.empty(0)
@@ -166,10 +162,4 @@ def _mask(attention_mask, rows: int, keys: int):
         return torch.zeros(1, 1, rows, keys).masked_fill_(hidden, torch.finfo(torch.float32).min)
     if not torch.is_tensor(attention_mask) or attention_mask.dim() != 4 or attention_mask.shape[-1] < keys:
         return None
-    mask = attention_mask[..., :keys]
-    if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape).masked_fill_(~mask, torch.finfo(torch.float32).min)
-    elif mask.dtype != torch.float32:
-        mask = mask.float().masked_fill_(mask <= torch.finfo(mask.dtype).min, torch.finfo(torch.float32).min)
-    return mask.contiguous() if keys > 1 and mask.stride(-1) != 1 else mask
-
+    return kernel_mask(attention_mask, keys)
