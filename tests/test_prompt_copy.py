@@ -199,3 +199,18 @@ def test_the_setting_is_checked_and_wins_over_a_models_own():
         for name in ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"):
             assert lookup(name).extra["prompt_copy"] == "int8"
         assert prompt_copy_key("qwen2.5-coder-1.5b-instruct") == (here or "0")
+
+
+def test_the_gate_takes_the_band_of_the_copy_the_loaded_model_reads_prompts_with(copied, plain, monkeypatch):
+    """The copy's answers judge the doubtful questions a little differently (the 1.5B's refusal with the int8
+    copy was 0.013 lower at its plain floor), so a generator may have a band per copy (registry
+    `relevance_band_with_copy`); the pipeline's gate takes the one of the model it loaded."""
+    from ragspec.models.registry import generator_entry
+    from ragspec.pipeline import Pipeline
+
+    extra = generator_entry(SMOL).extra
+    monkeypatch.setitem(extra, "relevance_band", {"all-minilm-l6-v2": (0.40, 0.60)})
+    monkeypatch.setitem(extra, "relevance_band_with_copy", {"int8": {"all-minilm-l6-v2": (0.45, 0.60)}})
+    for (model, tok), band in ((plain, (0.40, 0.60)), (copied, (0.45, 0.60))):
+        gate = Pipeline({"generator": {"model": SMOL}}, model=model, tokenizer=tok).relevance_gate
+        assert (gate.floor, gate.doubt) == band

@@ -72,12 +72,17 @@ def test_the_band_is_measured_per_generator_and_embedder():
     """Both auto: a generator with a band measured for the embedder takes its floor and doubt (registry); any
     other generator the embedder's floor alone; a floor or doubt given by hand leaves the measured band out."""
 
-    def gate(floor="auto", doubt="auto", generator="qwen2.5-coder-0.5b-instruct", embedder="all-minilm-l6-v2"):
-        g = resolve_gate(floor, lambda: "embedder", embedder, doubt, generator)
+    def gate(floor="auto", doubt="auto", generator="qwen2.5-coder-0.5b-instruct", embedder="all-minilm-l6-v2",
+             copy=None):
+        g = resolve_gate(floor, lambda: "embedder", embedder, doubt, generator, copy=copy)
         return None if g is None else (g.floor, g.doubt)
 
     assert gate() == (0.49, 0.58) == gate(generator="Qwen/Qwen2.5-Coder-0.5B-Instruct")  # the default generator
     assert gate(generator="qwen2.5-coder-1.5b-instruct") == (0.50, 0.58)
+    # the 1.5B reading its prompts with the int8 copy has its own band; a copy with none measured takes the plain one
+    assert gate(generator="qwen2.5-coder-1.5b-instruct", copy="int8") == (0.505, 0.58)
+    assert gate(copy="int8") == (0.49, 0.58) == gate(copy="bf16")
+    assert gate(generator="qwen2.5-coder-1.5b-instruct", copy="int8", embedder="BAAI/bge-m3") is None
     assert gate(generator="smollm2-135m-instruct") == (FLOOR, None) == gate(generator="./my-model")
     assert gate(doubt=None) == (FLOOR, None) and gate(doubt=0.6) == (FLOOR, 0.6)
     assert gate(floor=0.4) == (0.4, None) and gate(floor=0.4, doubt=0.5) == (0.4, 0.5)

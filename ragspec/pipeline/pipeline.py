@@ -183,7 +183,7 @@ class Pipeline(SourceCacheMixin):
             f"{self.choice.backend}/{self.choice.dtype} ({choice.reason}); loading it")
         self._model = self._tokenizer = None
         self._cost, self._rates, self._calibration, self._source_store = None, None, None, None
-        self._heads = None
+        self._heads, self._gate = None, False  # the gate's band may belong to the old model's prompt copy
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
@@ -245,9 +245,10 @@ class Pipeline(SourceCacheMixin):
     @property
     def relevance_gate(self):
         """The relevance gate of `prompt.relevance_floor` (`retrieve.relevance`), or None when it is off. It
-        measures with `window_scorer`."""
+        measures with `window_scorer`; its measured band is the loaded generator's (and its prompt copy's)."""
         with self._load_lock:
             if self._gate is False:
+                from ragspec.decoding.prompt_mode import prompt_copy
                 from ragspec.models.registry import DEFAULT_EMBEDDER
                 from ragspec.retrieve.relevance import resolve_gate
 
@@ -255,7 +256,8 @@ class Pipeline(SourceCacheMixin):
                 name = (self.retriever.index.manifest["embedder"]["requested"] if self._index_arg is not None
                         else DEFAULT_EMBEDDER)
                 self._gate = resolve_gate(self.spec.prompt.relevance_floor, lambda: scorer.embedder, name,
-                                          self.spec.prompt.relevance_doubt, self.spec.generator.model, scorer)
+                                          self.spec.prompt.relevance_doubt, self.spec.generator.model, scorer,
+                                          prompt_copy(self.model))
             return self._gate
 
     def source_steps(self, budget: int | None) -> list:

@@ -21,7 +21,9 @@ Just over the floor the score is least sure. `prompt.relevance_doubt` sets a ban
 is offered to decline and decides itself, so the generator adds its own judgement where the embedder's is
 weakest. The band is measured per generator and embedder (the generator's registry entry, `relevance_band`):
 with `relevance_floor: auto` and `relevance_doubt: auto` (the defaults) a generator that has one uses its floor
-and its band, and any other uses the embedder's floor alone.
+and its band, and any other uses the embedder's floor alone. A generator that reads its prompts with a second
+weight copy (dtype gguf's int8 copy, where the CPU has int8 units) judges the band's questions a little
+differently, so its entry may hold a band for that copy (`relevance_band_with_copy`), chosen the same way.
 
 The floor belongs to an embedder (cosines are not comparable across models): `auto` takes the one measured for
 it (the registry entry's `relevance_floor`), and an embedder with none leaves the gate off.
@@ -119,30 +121,38 @@ class RelevanceGate:
         return sources, GateFound(score, not query.follow_up and not self.passes(score), self.unsure(score))
 
 
-def measured_band(generator_name: str | None, embedder_name: str) -> tuple[float, float] | None:
-    """The (floor, doubt) measured for a generator with an embedder (registry), or None."""
+def measured_band(generator_name: str | None, embedder_name: str,
+                  copy: str | None = None) -> tuple[float, float] | None:
+    """The (floor, doubt) measured for a generator with an embedder (registry), or None. `copy`: the weight copy
+    the generator reads prompts with ("int8"; `decoding.prompt_mode.prompt_copy`), whose own band wins where
+    one was measured."""
     from ragspec.models.registry import generator_entry
 
     entry = generator_entry(generator_name) if generator_name else None
-    band = (entry.extra.get("relevance_band") or {}).get(embedder_name.lower()) if entry else None
+    if entry is None:
+        return None
+    bands = [(entry.extra.get("relevance_band_with_copy") or {}).get(copy) if copy else None,
+             entry.extra.get("relevance_band")]
+    band = next((b[embedder_name.lower()] for b in bands if b and embedder_name.lower() in b), None)
     return (float(band[0]), float(band[1])) if band else None
 
 
 def resolve_gate(setting, embedder_loader, embedder_name: str, doubt="auto",
-                 generator_name: str | None = None, scorer: WindowScorer | None = None) -> RelevanceGate | None:
+                 generator_name: str | None = None, scorer: WindowScorer | None = None,
+                 copy: str | None = None) -> RelevanceGate | None:
     """`prompt.relevance_floor` → a gate or None. `setting`: "off", "auto" or a cosine; `embedder_loader()` loads
     the embedder named `embedder_name` (called only when a gate is made); `doubt`: `prompt.relevance_doubt`.
 
     Both `auto` take the band measured for this generator with this embedder where there is one (its floor and
     its doubt were chosen together), else the embedder's floor with no band. With only one of them `auto`, the
     measured band is not used: an `auto` floor is the embedder's, an `auto` doubt is no band. `scorer`: what
-    measures (default: the embedder alone, no stored vectors)."""
+    measures (default: the embedder alone, no stored vectors); `copy`: the generator's prompt copy, if any."""
     if setting is None:
         return None
     floor = parse_floor(setting)
     if floor == "off":
         return None
-    band = measured_band(generator_name, embedder_name) if floor == "auto" and doubt == "auto" else None
+    band = measured_band(generator_name, embedder_name, copy) if floor == "auto" and doubt == "auto" else None
     if doubt == "auto":
         doubt = band[1] if band else None
     if floor == "auto":
