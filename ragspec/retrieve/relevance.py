@@ -131,9 +131,9 @@ def measured_band(generator_name: str | None, embedder_name: str,
     entry = generator_entry(generator_name) if generator_name else None
     if entry is None:
         return None
-    bands = [(entry.extra.get("relevance_band_with_copy") or {}).get(copy) if copy else None,
-             entry.extra.get("relevance_band")]
-    band = next((b[embedder_name.lower()] for b in bands if b and embedder_name.lower() in b), None)
+    key = embedder_name.lower()
+    with_copy = ((entry.extra.get("relevance_band_with_copy") or {}).get(copy) or {}) if copy else {}
+    band = with_copy.get(key) or (entry.extra.get("relevance_band") or {}).get(key)
     return (float(band[0]), float(band[1])) if band else None
 
 
