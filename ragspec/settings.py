@@ -206,6 +206,10 @@ class GeneratorSettings(Strict):
     source_cache_temperature: float = Field(
         1.0, gt=0.0, le=2.0, description="source cache: the reused piece tokens' keys divided by this, so that what "
         "reads them sees sharper (below 1) attention logits over them (APE's temperature; transformers backend)")
+    prompt_cache_mb: int = Field(
+        2048, ge=0, description="memory for the KV of earlier prompts, reused exactly where a new prompt starts the "
+        "same way (the system head, then sources sent in the same order); only where rows are computed alike "
+        "however batched (CPU dtypes gguf, int8, bfloat16); least recently used go; 0: off")
     source_cache_memory_mb: int = Field(512, ge=0, description="source cache: memory bound (least recently used go)")
     source_cache_disk_mb: int = Field(
         2048, ge=0, description="source cache: disk bound under $RAGSPEC_HOME/kv (0: memory only)")

@@ -297,25 +297,33 @@ def test_long_prompt_still_matches(smol_gguf):
     assert gen.tokens == ref
 
 
-def test_prompt_heads_are_reused_exactly(smol_gguf):
-    """Every ask past the first reads its prompt from the first source on (the head's KV kept from the asks
-    before), and answers exactly as with every prompt read whole."""
+def test_earlier_prompts_are_reused_exactly(smol_gguf):
+    """Every ask reads its prompt from where its longest shared prefix with an earlier prompt ends (the head
+    for other sources, past the sources for the same sources sent in the same order, all but the last token for
+    the same prompt), and answers exactly as with every prompt read whole."""
+    from ragspec.decoding.prefix_cache import common_prefix
     from ragspec.pipeline import Pipeline
 
     model, tok = smol_gguf
     spec = {"generator": {"model": SMOL, "max_new_tokens": 24}, "drafting": {"method": "suffix"},
             "prompt": {"relevance_floor": "off", "source_tokens": "off"}}
     reuse, whole = (Pipeline(spec, model=model, tokenizer=tok) for _ in range(2))
-    whole._heads = False  # as on a model whose prompt rows are not independent
-    asked = [(q, [PASSAGES[p]]) for q, p in QUESTIONS] + [(QUESTIONS[0][0], [PASSAGES[QUESTIONS[1][1]]])]
-    reused = []
-    for q, docs in asked:
+    whole._prompts = False  # as on a model whose prompt rows are not independent
+    (q0, _), (q1, _) = QUESTIONS[:2]
+    a0, a1 = PASSAGES[:2]
+    asked = [(q0, [a0]), (q1, [a1]), (q1, [a0]), (q0, [a0, a1]), (q0, [a0])]
+    prompts = []
+    for i, (q, docs) in enumerate(asked):
+        ids = reuse.prepare(q, documents=docs).built.ids
         a, b = reuse.ask(q, documents=docs), whole.ask(q, documents=docs)
         assert a.text == b.text and b.stats.prefix_reused_tokens == 0
-        reused.append(a.stats.prefix_reused_tokens)
-    (entry,) = reuse._heads.entries.values()  # the head only: no source or answer tokens kept
-    assert tok.decode(entry.ids).endswith("Sources:\n") and len(entry.ids) > 20
-    assert reused == [0] + [len(entry.ids)] * (len(asked) - 1)
+        shared = max([common_prefix(ids, p) for p in prompts] + [0])
+        assert a.stats.prefix_reused_tokens == min(shared, len(ids) - 1), i
+        prompts.append(ids)
+    head = common_prefix(prompts[0], prompts[1])
+    assert tok.decode(prompts[0][:head]).rstrip().endswith("Sources:") or head > 20
+    assert common_prefix(prompts[2], prompts[0]) > head + 20  # past the first source, sent again
+    assert reuse._prompts.tokens() < sum(len(p) for p in prompts)  # shared runs stored once
 
 
 def test_gguf_is_cpu_only_and_named_in_the_cost_key(smol_gguf):

@@ -148,7 +148,7 @@ def test_greedy_matches_plain_greedy_with_the_copy(copied, method):
 
 
 def test_reused_heads_and_follow_ups_answer_as_read_whole(copied):
-    """The head store and a follow-up's prefix cache keep only positions read as prompt (before the prompt's
+    """The tree of earlier prompts keeps only positions read as prompt (before the prompt's
     last token), so every ask answers as its prompt read whole; the source cache says it does not apply."""
     from ragspec.pipeline import Pipeline
 
@@ -156,7 +156,7 @@ def test_reused_heads_and_follow_ups_answer_as_read_whole(copied):
     spec = {"generator": {"model": SMOL, "max_new_tokens": 24}, "drafting": {"method": "suffix"},
             "prompt": {"relevance_floor": "off", "source_tokens": "off"}}
     reuse, whole = (Pipeline(spec, model=model, tokenizer=tok) for _ in range(2))
-    whole._heads = False
+    whole._prompts = False
     for q, p in QUESTIONS:
         a, b = reuse.ask(q, documents=[PASSAGES[p]]), whole.ask(q, documents=[PASSAGES[p]])
         assert a.text == b.text and b.stats.prefix_reused_tokens == 0

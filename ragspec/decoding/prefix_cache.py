@@ -8,8 +8,9 @@ changed: a reuse copies the cached tensors cut to the common prefix.
 Used by `Verifier.prefill(ids, prefix=store)` and `SpeculativeGenerator.stream(..., prefix=store)`; one store
 per model (its caches are that model's), accessed under the model's lock.
 
-`HeadStore` keeps only the fixed head of each prompt (system instruction and chat template up to the sources):
-every ask repeats it, so every ask past the first reads its prompt from the first source on.
+`PromptTree` keeps earlier prompts (and their answers) as a radix tree, bounded by memory: every ask repeats
+the fixed head (system instruction and template up to the sources), and a question whose first sources came
+before reads its prompt from after them. Used where the reuse is exact (rows computed alike however batched).
 """
 
 from __future__ import annotations
@@ -94,16 +95,155 @@ class PrefixStore:
             self.entries.clear()
 
 
-class HeadStore(PrefixStore):
-    """Prefix reuse of prompt heads only: `save` keeps the first `keep` tokens (set per ask to the prompt's head)
-    as a copy of their own, so neither the answer nor the prompt's source tokens stay in memory (~25 KB a token
-    for Qwen2.5-0.5B, ~57 KB for the 1.5B, float32); a few heads (one per system instruction in use)."""
+class _Node:
+    """A run of tokens on the path from the tree's root and their keys and values ([B, H_kv, len, D] a layer,
+    contiguous: a split or an eviction frees exactly what it says)."""
 
-    def __init__(self, capacity: int = 4):
-        super().__init__(capacity)
-        self.keep = 0
+    __slots__ = ("children", "ids", "kv", "parent", "used")
+
+    def __init__(self, ids: list[int], kv: list, parent):
+        self.ids, self.kv, self.parent = ids, kv, parent
+        self.children: dict[int, _Node] = {}
+        self.used = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.kv for t in pair)
+
+
+class PromptTree:
+    """Exact reuse of what earlier prompts share, as a radix tree over their token ids (RAGCache's knowledge tree,
+    SGLang's radix cache): the system head every ask repeats, then the sources in the order they were sent, then
+    the question and the answer. A prompt reads only what follows its longest stored prefix, so a question whose
+    first sources came before (a rephrased question, a follow-up turn) starts after them.
+
+    Exact only where the model computes each row the same way however rows are batched
+    (`models.exact_attention.rows_independent`): then the reused keys and values are the bits a whole prefill
+    makes and every answer is the one without reuse (tested). Shared runs are stored once; `budget_mb` bounds
+    the keys and values held, the least recently used leaves go first (~25 KB a token for Qwen2.5-0.5B,
+    ~57 KB for the 1.5B, float32). `PrefixStore`'s interface: `lookup`, `save`, `last_reused`, `clear`."""
+
+    def __init__(self, budget_mb: float = 2048):
+        self.budget = int(budget_mb * 2 ** 20)
+        self.root = _Node([], [], None)
+        self.nbytes = 0
+        self.last_reused = 0
+        self._skeleton = None  # an empty cache of the model's kind: lookups fill copies of it
+        self._clock = 0
+        self._lock = threading.Lock()
+
+    def _walk(self, ids: list[int]):
+        """[(node, tokens of it matched)] along `ids` from the root, and the tokens matched in all."""
+        path, node, pos = [], self.root, 0
+        while pos < len(ids):
+            child = node.children.get(ids[pos])
+            if child is None:
+                break
+            m = common_prefix(child.ids, ids[pos:pos + len(child.ids)])
+            path.append((child, m))
+            pos += m
+            if m < len(child.ids):
+                break
+            node = child
+        return path, pos
+
+    def lookup(self, ids: list[int], limit: int):
+        """(cache, n): a fresh cache holding the keys and values of the first n <= `limit` tokens of `ids`
+        (the longest stored prefix), or (None, 0)."""
+        with self._lock:
+            path, n = self._walk(ids[:limit])
+            self.last_reused = n
+            if not n or self._skeleton is None:
+                self.last_reused = 0
+                return None, 0
+            self._clock += 1
+            for node, _ in path:
+                node.used = self._clock
+            parts = [(node.kv, m) for node, m in path]
+            return self._cache(parts, n), n
+
+    def _cache(self, parts, n: int):
+        """A cache of the model's kind whose layers hold the runs `parts` ([(kv, tokens)]) end to end, with room
+        for the rest of the prompt (a growing layer then appends in place)."""
+        out = copy.copy(self._skeleton)
+        out.layers = []
+        for i, layer in enumerate(self._skeleton.layers):
+            twin = copy.copy(layer)
+            for name, j in (("keys", 0), ("values", 1)):
+                first = parts[0][0][i][j]
+                buf = first.new_empty((first.shape[0], first.shape[1], n + 256, first.shape[3]))
+                at = 0
+                for kv, m in parts:
+                    buf[:, :, at:at + m] = kv[i][j][:, :, :m]
+                    at += m
+                setattr(twin, name, buf)
+                setattr(twin, name, buf[:, :, :n])  # a prefix view: a growing layer keeps the room
+            out.layers.append(twin)
+        return out
 
     def save(self, ids: list[int], cache, cached: int) -> None:
-        n = min(self.keep, cached, len(ids))
-        if n >= self.min_tokens:
-            super().save(ids[:n], PrefixCache(ids[:n], cache).restore(n), n)
+        """Store the first `cached` tokens of `ids`, whose keys and values `cache` holds (copied: the caller
+        may go on changing it)."""
+        n = min(cached, len(ids))
+        if n <= 0 or self.budget <= 0:
+            return
+        with self._lock:
+            if self._skeleton is None:
+                self._skeleton = copy.copy(cache)
+                self._skeleton.layers = [copy.copy(layer) for layer in cache.layers]
+                for layer in self._skeleton.layers:  # the structure only: no reference to this cache's tensors
+                    layer.keys = layer.values = None
+            path, pos = self._walk(ids[:n])
+            self._clock += 1
+            node = self.root
+            for child, m in path:
+                if m < len(child.ids):
+                    child = self._split(child, m)
+                child.used = self._clock
+                node = child
+            if pos < n:
+                kv = [(layer.keys[:, :, pos:n].clone(), layer.values[:, :, pos:n].clone()) for layer in cache.layers]
+                leaf = _Node(list(ids[pos:n]), kv, node)
+                leaf.used = self._clock
+                node.children[leaf.ids[0]] = leaf
+                self.nbytes += leaf.nbytes()
+            self._evict()
+
+    def _split(self, node: _Node, m: int) -> _Node:
+        """Cut `node` after its first m tokens; returns the new upper part (the lower keeps the children)."""
+        upper = _Node(node.ids[:m], [(k[:, :, :m].clone(), v[:, :, :m].clone()) for k, v in node.kv], node.parent)
+        upper.used = node.used
+        node.parent.children[node.ids[0]] = upper
+        node.ids = node.ids[m:]
+        node.kv = [(k[:, :, m:].clone(), v[:, :, m:].clone()) for k, v in node.kv]
+        node.parent = upper
+        upper.children[node.ids[0]] = node
+        return upper
+
+    def _evict(self) -> None:
+        """Drop least recently used leaves until the tree fits its budget."""
+        while self.nbytes > self.budget:
+            leaves, stack = [], [self.root]
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                if not node.children and node is not self.root:
+                    leaves.append(node)
+            if not leaves:
+                return
+            leaf = min(leaves, key=lambda x: x.used)
+            del leaf.parent.children[leaf.ids[0]]
+            self.nbytes -= leaf.nbytes()
+
+    def tokens(self) -> int:
+        """Tokens held (each shared run once)."""
+        with self._lock:
+            count, stack = 0, [self.root]
+            while stack:
+                node = stack.pop()
+                count += len(node.ids)
+                stack.extend(node.children.values())
+            return count
+
+    def clear(self) -> None:
+        with self._lock:
+            self.root, self.nbytes, self._skeleton = _Node([], [], None), 0, None

@@ -79,7 +79,7 @@ class Pipeline(SourceCacheMixin):
         self._gate = False  # the relevance gate (prompt.relevance_floor), resolved on first use; None: off
         self._scorer = None  # retrieve.windows.WindowScorer: the gate's and the budget's window cosines
         self.prefix_cache = None  # a decoding.prefix_cache.PrefixStore: follow-ups reuse the KV of shared prefixes
-        self._heads = None  # decoding.prefix_cache.HeadStore: the prompt head's KV, reused where that is exact
+        self._prompts = None  # decoding.prefix_cache.PromptTree: earlier prompts' KV, reused where that is exact
         self._source_store = None  # decoding.source_cache.SourceKVStore (generator.source_cache), made on first use
         self.choice = None  # models.machine.Choice: the backend and dtype `load` took, and why
         self._guess_checked = time.monotonic()  # when a guessed choice last looked for the measured table
@@ -183,7 +183,7 @@ class Pipeline(SourceCacheMixin):
             f"{self.choice.backend}/{self.choice.dtype} ({choice.reason}); loading it")
         self._model = self._tokenizer = None
         self._cost, self._rates, self._calibration, self._source_store = None, None, None, None
-        self._heads, self._gate = None, False  # the gate's band may belong to the old model's prompt copy
+        self._prompts, self._gate = None, False  # the gate's band may belong to the old model's prompt copy
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
@@ -301,17 +301,17 @@ class Pipeline(SourceCacheMixin):
         self.prefix_cache = PrefixStore(capacity) if capacity > 0 else None
         return self
 
-    def _head_store(self, model, built: BuiltPrompt):
-        """The store of prompt heads, where the model reads a prompt behind a reused prefix as the same bits as
-        whole (models.exact_attention.rows_independent: dtypes gguf, int8 and bf16 on a CPU); else None."""
-        if self._heads is None:
-            from ragspec.decoding.prefix_cache import HeadStore
+    def _prompt_store(self, model):
+        """The tree of earlier prompts (`generator.prompt_cache_mb`), where the model reads a prompt behind a
+        reused prefix as the same bits as whole (models.exact_attention.rows_independent: dtypes gguf, int8 and
+        bf16 on a CPU); else None."""
+        if self._prompts is None:
+            from ragspec.decoding.prefix_cache import PromptTree
             from ragspec.models.exact_attention import rows_independent
 
-            self._heads = HeadStore() if rows_independent(model) else False
-        if self._heads:
-            self._heads.keep = built.head
-        return self._heads or None
+            mb = self.spec.generator.prompt_cache_mb
+            self._prompts = PromptTree(mb) if mb > 0 and rows_independent(model) else False
+        return self._prompts or None
 
     def stream(self, question: str, *, documents: Iterable[str | SourceText] | None = None,
                max_new_tokens: int | None = None, stop: Iterable[str] | None = None,
@@ -486,7 +486,7 @@ class Pipeline(SourceCacheMixin):
         t_start = time.perf_counter() if t_start is None else t_start
         ttft_ms, reused = 0.0, 0
         with self._gen_lock:
-            store = self.prefix_cache or self._head_store(model, built)
+            store = self._prompt_store(model) or self.prefix_cache
             if store is not None:
                 store.last_reused = 0
             for delta in gen.stream(built.ids, built.segments, prefix=store, cancel=cancel, on_progress=on_progress,

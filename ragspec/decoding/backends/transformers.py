@@ -82,10 +82,10 @@ class TransformersBackend:
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], prefix=None, on_progress=None, cancel=None, sources=None) -> float:
         """Cache the prompt in `PREFILL_CHUNK` chunks (see base.py); its last token is the first step's root.
-        Returns ms. `prefix`: a `prefix_cache.PrefixStore`; the longest cached prefix of the prompt is reused,
-        not recomputed. `sources`: a `source_cache.SourcePlan`; the prompt is assembled from cached source
-        pieces (backends/source_kv.py) unless a prefix reuse covers them all or the model cannot (the plan's
-        `fallback` then says why).
+        Returns ms. `prefix`: a `prefix_cache.PrefixStore` or `PromptTree`; the longest cached prefix of the
+        prompt is reused, not recomputed. `sources`: a `source_cache.SourcePlan`; the prompt is assembled from
+        cached source pieces (backends/source_kv.py) unless a prefix reuse covers them all or the model cannot
+        (the plan's `fallback` then says why).
 
         The root is cached with the rest and its logits kept (as HF `generate` reads a prompt), so the first
         step runs only its tree, or no forward at all for a plain step: one t(1) less per generation. A PLD+
