@@ -326,6 +326,22 @@ def test_earlier_prompts_are_reused_exactly(smol_gguf):
     assert reuse._prompts.tokens() < sum(len(p) for p in prompts)  # shared runs stored once
 
 
+def test_prompts_assembled_from_the_source_cache_stay_out_of_the_tree(smol_gguf, monkeypatch, tmp_path):
+    """A prompt assembled from reused source pieces is not a whole prefill's KV: with the source cache on, the
+    tree of earlier prompts is neither read nor filled, so its answers never depend on it."""
+    from ragspec.pipeline import Pipeline
+
+    monkeypatch.setenv("RAGSPEC_HOME", str(tmp_path))
+    model, tok = smol_gguf
+    spec = {"generator": {"model": SMOL, "max_new_tokens": 8, "source_cache": "on"}, "drafting": {"method": "suffix"},
+            "prompt": {"relevance_floor": "off", "source_tokens": "off"}}
+    pipe = Pipeline(spec, model=model, tokenizer=tok)
+    (q0, _), (q1, _) = QUESTIONS[:2]
+    first, second = (pipe.ask(q, documents=[PASSAGES[0]]) for q in (q0, q1))
+    assert not first.stats.cache_note and second.stats.cache_reused_tokens > 0
+    assert second.stats.prefix_reused_tokens == 0 and not pipe._prompts  # never made
+
+
 def test_gguf_is_cpu_only_and_named_in_the_cost_key(smol_gguf):
     from ragspec.decoding.backends.transformers import TransformersBackend
     from ragspec.models.generator import load_generator

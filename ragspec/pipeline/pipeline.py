@@ -486,7 +486,8 @@ class Pipeline(SourceCacheMixin):
         t_start = time.perf_counter() if t_start is None else t_start
         ttft_ms, reused = 0.0, 0
         with self._gen_lock:
-            store = self._prompt_store(model) or self.prefix_cache
+            # assembled from the source cache, a prompt's KV is not a whole prefill's: the tree keeps only exact KV
+            store = (self._prompt_store(model) if plan is None else None) or self.prefix_cache
             if store is not None:
                 store.last_reused = 0
             for delta in gen.stream(built.ids, built.segments, prefix=store, cancel=cancel, on_progress=on_progress,
