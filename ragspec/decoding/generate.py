@@ -80,7 +80,8 @@ class SpeculativeGenerator:
 
     def stream(self, prompt_ids: list[int], segments: list[Segment] | None = None, prefix=None, cancel=None,
                on_progress=None, sources=None) -> Iterator[Delta]:
-        """`prefix`: a `prefix_cache.PrefixStore` or `PromptTree` to prefill from and to leave this generation's cache in.
+        """`prefix`: a `prefix_cache.PrefixStore` or `PromptTree` to prefill from and to leave this generation's
+        cache in.
         `sources`: a `source_cache.SourcePlan`: assemble the prompt's cache from cached source pieces.
         `cancel`: a threading.Event; once set, the generation raises `Cancelled` between prefill chunks or
         decode steps. `on_progress(done, total)`: called after each prefill chunk."""

@@ -159,18 +159,18 @@ class PromptTree:
             for node, _ in path:
                 node.used = self._clock
             parts = [(node.kv, m) for node, m in path]
-            return self._cache(parts, n), n
+            return self._cache(parts, n, len(ids) + 256), n
 
-    def _cache(self, parts, n: int):
-        """A cache of the model's kind whose layers hold the runs `parts` ([(kv, tokens)]) end to end, with room
-        for the rest of the prompt (a growing layer then appends in place)."""
+    def _cache(self, parts, n: int, room: int):
+        """A cache of the model's kind whose layers hold the runs `parts` ([(kv, tokens)]) end to end in buffers
+        of `room` positions (the rest of the prompt and an answer: a growing layer then appends in place)."""
         out = copy.copy(self._skeleton)
         out.layers = []
         for i, layer in enumerate(self._skeleton.layers):
             twin = copy.copy(layer)
             for name, j in (("keys", 0), ("values", 1)):
                 first = parts[0][0][i][j]
-                buf = first.new_empty((first.shape[0], first.shape[1], n + 256, first.shape[3]))
+                buf = first.new_empty((first.shape[0], first.shape[1], room, first.shape[3]))
                 at = 0
                 for kv, m in parts:
                     buf[:, :, at:at + m] = kv[i][j][:, :, :m]
