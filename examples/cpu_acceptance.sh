@@ -8,7 +8,8 @@
 #   flags     CPU model, the flags that pick kernels, cores
 #   verifier  t(1) … t(16) and prefill of 1,024 tokens against llama.cpp, each model (python -m ragspec.bench.verifier)
 #   bench     Spec-Bench summarization + rag, LIMIT prompts each, 128 tokens, llama,vanilla,suffix,oracle (0.5B)
-#   ttft      the 12 quickstart questions' time to first token, each model's pipeline (examples/source_stats.py)
+#   ttft      the 12 quickstart questions' time to first token, each model's pipeline (examples/source_stats.py),
+#             and with the tree of earlier prompts, their rephrasings asked after them (examples/prompt_reuse_stats.py)
 #   first     a fresh RAGSPEC_HOME's first ask against a warm one, each model, then two first asks at once
 #   quality   NQ-open 200 retrieved and CLAP NQ 150 + 150, each model, dtype gguf and BASE_DTYPE (hours)
 # Needs `make quickstart` done (the 1.5B installed, indexes/pydoc-topics built) and ../shared; the quality stage
@@ -103,6 +104,8 @@ for stage in "${STAGES[@]}"; do
       for m in $SMALL $LARGE; do
         run "$OUT/ttft-$m.txt" $PY examples/source_stats.py indexes/pydoc-topics --pipeline "$(pipeline_of $m)" \
           --budgets auto --ttft --json "$OUT/ttft-$m.json"
+        run "$OUT/reuse-$m.txt" $PY examples/prompt_reuse_stats.py indexes/pydoc-topics --pipeline "$(pipeline_of $m)" \
+          --json "$OUT/reuse-$m.json"
       done ;;
     first)
       for m in $SMALL $LARGE; do

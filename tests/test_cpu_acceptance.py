@@ -49,3 +49,4 @@ def test_every_command_of_the_acceptance_run_takes_its_options(tmp_path):
             checked.add((key[-1], opt))
     assert ("bench", "--methods") in checked and ("eval-answers", "--retrieve") in checked
     assert ("ragspec.bench.verifier", "--interleave") in checked and ("examples/source_stats.py", "--ttft") in checked
+    assert ("examples/prompt_reuse_stats.py", "--pipeline") in checked

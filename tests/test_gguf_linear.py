@@ -324,6 +324,7 @@ def test_earlier_prompts_are_reused_exactly(smol_gguf):
     assert tok.decode(prompts[0][:head]).rstrip().endswith("Sources:") or head > 20
     assert common_prefix(prompts[2], prompts[0]) > head + 20  # past the first source, sent again
     assert reuse._prompts.tokens() < sum(len(p) for p in prompts)  # shared runs stored once
+    assert reuse.prompt_cache_bytes == reuse._prompts.nbytes > 0 and whole.prompt_cache_bytes == 0
 
 
 def test_prompts_assembled_from_the_source_cache_stay_out_of_the_tree(smol_gguf, monkeypatch, tmp_path):

@@ -177,7 +177,8 @@ def test_search_models_documents_and_errors(live, index_path):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
         r = httpx.request(method, srv.url + path, json=body, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401
-    assert httpx.get(srv.url + "/healthz").status_code == 200
+    health = httpx.get(srv.url + "/healthz")
+    assert health.status_code == 200 and health.json()["prompt_cache_mb"] >= 0
     assert "<textarea" in httpx.get(srv.url + "/").text
     # bad requests
     r = httpx.post(f"{srv.url}/v1/chat/completions", headers=headers(),

@@ -301,6 +301,11 @@ class Pipeline(SourceCacheMixin):
         self.prefix_cache = PrefixStore(capacity) if capacity > 0 else None
         return self
 
+    @property
+    def prompt_cache_bytes(self) -> int:
+        """Bytes of keys and values the tree of earlier prompts holds now (0 where it is off)."""
+        return self._prompts.nbytes if self._prompts else 0
+
     def _prompt_store(self, model):
         """The tree of earlier prompts (`generator.prompt_cache_mb`), where the model reads a prompt behind a
         reused prefix as the same bits as whole (models.exact_attention.rows_independent: dtypes gguf, int8 and

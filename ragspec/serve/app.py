@@ -325,7 +325,7 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/healthz")
     async def healthz():
         return {"status": "ok", "model": server.model_name, "queued": server.admitted, "capacity": server.capacity,
-                "cancelled": server.cancelled,
+                "cancelled": server.cancelled, "prompt_cache_mb": round(server.pipe.prompt_cache_bytes / 2 ** 20, 1),
                 "auth": server.api_key is not None}
 
     # -- models, documents, search ---------------------------------------------------------------------------
