@@ -151,9 +151,8 @@ class PromptTree:
         (the longest stored prefix), or (None, 0)."""
         with self._lock:
             path, n = self._walk(ids[:limit])
-            self.last_reused = n
-            if not n or self._skeleton is None:
-                self.last_reused = 0
+            self.last_reused = n if self._skeleton is not None else 0
+            if not self.last_reused:
                 return None, 0
             self._clock += 1
             for node, _ in path:
@@ -222,27 +221,24 @@ class PromptTree:
     def _evict(self) -> None:
         """Drop least recently used leaves until the tree fits its budget."""
         while self.nbytes > self.budget:
-            leaves, stack = [], [self.root]
-            while stack:
-                node = stack.pop()
-                stack.extend(node.children.values())
-                if not node.children and node is not self.root:
-                    leaves.append(node)
+            leaves = [node for node in self._nodes() if not node.children and node is not self.root]
             if not leaves:
                 return
             leaf = min(leaves, key=lambda x: x.used)
             del leaf.parent.children[leaf.ids[0]]
             self.nbytes -= leaf.nbytes()
 
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            yield node
+
     def tokens(self) -> int:
         """Tokens held (each shared run once)."""
         with self._lock:
-            count, stack = 0, [self.root]
-            while stack:
-                node = stack.pop()
-                count += len(node.ids)
-                stack.extend(node.children.values())
-            return count
+            return sum(len(node.ids) for node in self._nodes())
 
     def clear(self) -> None:
         with self._lock:
