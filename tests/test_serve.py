@@ -195,6 +195,70 @@ def test_search_models_documents_and_errors(live, index_path):
     assert r.status_code == 400  # unknown keys are refused
 
 
+# `ragspec ask` as a real process, run so that it says at its exit whether it imported torch
+CLI = """
+import sys
+from ragspec.cli import app
+try:
+    app(sys.argv[1:], prog_name="ragspec")
+finally:
+    print("torch imported:", "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+def cli(*args, env=None):
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k not in ("RAGSPEC_SERVER", "RAGSPEC_API_KEY")}
+    return subprocess.run([sys.executable, "-c", CLI, "ask", *args], capture_output=True, text=True,
+                          env={**base, "COLUMNS": "200", **(env or {})}, timeout=300)
+
+
+def test_ask_on_the_command_line_through_the_server(live, answers, index_path):
+    """`ragspec ask --server URL` prints what the server answers — the same text and citations as the pipeline
+    asked here — without importing torch; what it cannot honour, or a server it cannot use, is one line."""
+    srv, _ = live
+    q = QUESTIONS[0]
+    ref = answers[q]
+    wait_idle(srv.url)
+    out = cli(q, "--server", srv.url, "--api-key", KEY, "--max-new-tokens", "40", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["text"] == ref.text and doc["citations"] == [c.as_json() for c in ref.citations]
+    assert "torch imported: False" in out.stderr
+    # streamed (stdout is no terminal: plain text), the server named by the environment, the index checked
+    wait_idle(srv.url)
+    out = cli(q, "--index", str(index_path), "--max-new-tokens", "40",
+              env={"RAGSPEC_SERVER": srv.url.removeprefix("http://"), "RAGSPEC_API_KEY": KEY})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(ref.text) and "Sources" in out.stdout and "[1]" in out.stdout
+    assert f"answered by {srv.url}" in out.stderr and "torch imported: False" in out.stderr
+    # a metadata filter travels with the question
+    wait_idle(srv.url)
+    r = httpx.post(f"{srv.url}/v1/ask", headers=headers(),
+                   json={"question": "Where does the Danube rise?", "max_tokens": 8, "filter": {"path": "sub/*"}})
+    assert r.status_code == 200 and all(s["path"].endswith("sub/bread.rst") for s in r.json()["sources"])
+
+    def one_error(out, *words):
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+        assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
+        assert all(w in errors[0] for w in words), errors[0]
+
+    one_error(cli(q, "--server", srv.url), "needs its API key")
+    one_error(cli(q, "--server", srv.url, "--api-key", KEY, "--drafting", "pld"), "--drafting", "drop --server")
+    one_error(cli(q, "--server", srv.url, "--api-key", KEY, "--index", "/elsewhere/other-index"),
+              "answers over an index named 'corpus'")
+    one_error(cli(q, "--server", srv.url, "--api-key", KEY, "--where", "colour=red", "--no-stream"),
+              "unknown filter field 'colour'")
+    one_error(cli(q, "--server", srv.url, "--api-key", KEY, "--where", "colour=red"), "unknown filter field")
+    with __import__("socket").socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    one_error(cli(q, "--server", f"http://127.0.0.1:{port}"), "no ragspec server answers", "ragspec serve")
+
+
 def test_queue_full_gets_503_and_a_disconnected_client_frees_the_model(live, answers):
     srv, server = live
     assert wait_idle(srv.url)["queued"] == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -29,10 +30,22 @@ def ask(
                                                 "on the question"),
     source_cache: str | None = typer.Option(None, "--source-cache", help="override generator.source_cache (on | "
                                                "off | auto): reuse each source piece's KV across asks"),
+    server: str | None = typer.Option(None, "--server", envvar="RAGSPEC_SERVER",
+                                      help="ask a running `ragspec serve` at this URL instead of loading the model "
+                                      "here (its index, model and tree of earlier prompts)"),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="RAGSPEC_API_KEY",
+                                       help="with --server: the server's API key"),
 ):
     """Answer a question over an index: streamed, copied spans highlighted and cited, sources listed."""
 
     def body():
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise RagspecError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
+        if server:
+            _ask_server(server, api_key, question, index_path, max_new_tokens, where, as_json, no_stream,
+                        {"--pipeline": spec, "--model": model, "--drafting": method,
+                         "--source-tokens": source_tokens, "--source-cache": source_cache})
+            return
         quiet_libraries()
         from ragspec.pipeline import Pipeline
         from ragspec.pipeline.answer import CitationEvent, DoneEvent, SourcesEvent, TextEvent
@@ -44,8 +57,6 @@ def ask(
         if method:
             data["drafting"]["method"] = method
         if max_new_tokens is not None:
-            if max_new_tokens < 1:
-                raise RagspecError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
             data["generator"]["max_new_tokens"] = max_new_tokens
         if where:
             data["retriever"]["filter"] = list(where)
@@ -73,38 +84,90 @@ def ask(
         answer = None
         if as_json or no_stream:
             with status("answering…") as spinner:
-                answer = pipe.ask(question, on_progress=PrefillProgress(spinner=spinner))
-            if as_json:
-                sys.stdout.write(json.dumps(answer.as_json(), ensure_ascii=False, indent=2) + "\n")
-                return
-            for w in answer.warnings:
-                console.print(f"[yellow]warning:[/] {w}")
-            _print_answer(answer)
-        else:
-            from rich.console import Console
+                answer = pipe.ask(question, on_progress=PrefillProgress(spinner=spinner)).as_json()
+            _print_whole(answer, as_json)
+            return
+        from rich.console import Console
 
-            out = Console(highlight=False, soft_wrap=True)
-            live = _LiveAnswer(out)
-            reading = PrefillProgress()
-            try:
-                for ev in pipe.stream(question, on_progress=reading):
-                    if isinstance(ev, SourcesEvent):
-                        for w in ev.warnings:
-                            console.print(f"[yellow]warning:[/] {w}")
-                    elif isinstance(ev, TextEvent):
-                        reading.close()
-                        live.text(ev.text)
-                    elif isinstance(ev, CitationEvent):
-                        live.cite(ev.citation)
-                    elif isinstance(ev, DoneEvent):
-                        answer = ev.answer
-            finally:  # Ctrl-C included: the terminal is left clean
-                reading.close()
-                live.close()
+        live = _LiveAnswer(Console(highlight=False, soft_wrap=True))
+        reading = PrefillProgress()
+        try:
+            for ev in pipe.stream(question, on_progress=reading):
+                if isinstance(ev, SourcesEvent):
+                    _print_warnings(ev.warnings)
+                elif isinstance(ev, TextEvent):
+                    reading.close()
+                    live.text(ev.text)
+                elif isinstance(ev, CitationEvent):
+                    live.cite(ev.citation.as_json())
+                elif isinstance(ev, DoneEvent):
+                    answer = ev.answer.as_json()
+        finally:  # Ctrl-C included: the terminal is left clean
+            reading.close()
+            live.close()
         _print_sources(answer)
         _print_stats(answer)
 
     run(body)
+
+
+def _ask_server(url, api_key, question, index_path, max_new_tokens, where, as_json, no_stream, local_only):
+    """`ragspec ask --server URL`: the server retrieves and answers; this process only prints (no torch, no
+    model), the same output as answering here."""
+    from ragspec.console import status
+    from ragspec.serve.client import ServerClient
+
+    given = [name for name, value in local_only.items() if value is not None]
+    if given:
+        raise RagspecError(f"{', '.join(given)} set up a pipeline here; the server at {url} answers with its own "
+                           "(start `ragspec serve` with them, or drop --server)")
+    client = ServerClient(url, api_key)
+    if index_path is not None:
+        client.check_index(index_path)
+    filter = list(where) if where else None
+    if as_json or no_stream:
+        with status("answering…"):
+            answer = client.ask(question, max_tokens=max_new_tokens, filter=filter)
+        _print_whole(answer, as_json, via=client.url)
+        return
+    from rich.console import Console
+
+    live = _LiveAnswer(Console(highlight=False, soft_wrap=True))
+    answer = None
+    with contextlib.ExitStack() as waiting:
+        waiting.enter_context(status("waiting for the server…"))
+        try:
+            for event, data in client.stream(question, max_tokens=max_new_tokens, filter=filter):
+                if event == "sources":
+                    _print_warnings(data["warnings"])
+                elif event == "text":
+                    waiting.close()  # the spinner goes at the first text
+                    live.text(data["text"])
+                elif event == "citation":
+                    live.cite(data)
+                elif event == "done":
+                    answer = data
+        finally:  # Ctrl-C included: the connection closes (the server stops generating) and the terminal is clean
+            waiting.close()
+            live.close()
+    _print_sources(answer)
+    _print_stats(answer, via=client.url)
+
+
+def _print_warnings(warnings) -> None:
+    for w in warnings:
+        console.print(f"[yellow]warning:[/] {w}")
+
+
+def _print_whole(answer: dict, as_json: bool, via: str | None = None) -> None:
+    """A finished Answer (its JSON): as JSON on stdout, or as text, sources and stats."""
+    if as_json:
+        sys.stdout.write(json.dumps(answer, ensure_ascii=False, indent=2) + "\n")
+        return
+    _print_warnings(answer["warnings"])
+    _print_answer(answer)
+    _print_sources(answer)
+    _print_stats(answer, via=via)
 
 
 class _LiveAnswer:
@@ -131,7 +194,7 @@ class _LiveAnswer:
 
         t = Text(self.buf)
         for c in self.cites:
-            t.stylize("bold green", c.answer_start, c.answer_end)
+            t.stylize("bold green", c["answer_start"], c["answer_end"])
         return t
 
     def text(self, s: str) -> None:
@@ -153,52 +216,64 @@ class _LiveAnswer:
         if self.live:
             self.live.update(self._render())
             self.live.stop()
-        else:
+        elif self.started:
             self.out.file.write("\n")
 
 
-def _print_answer(answer) -> None:
+def _print_answer(answer: dict) -> None:
     from rich.console import Console
     from rich.text import Text
 
-    t = Text(answer.text)
-    for c in answer.citations:
-        t.stylize("bold green", c.answer_start, c.answer_end)
+    t = Text(answer["text"])
+    for c in answer["citations"]:
+        t.stylize("bold green", c["answer_start"], c["answer_end"])
     Console(highlight=False, soft_wrap=True).print(t)
 
 
-def _print_sources(answer) -> None:
+def _print_sources(answer: dict) -> None:
+    """The numbered sources of an Answer's JSON (`ragspec ask --json`'s schema), each with its quotes."""
     from rich.console import Console
+    from rich.markup import escape
 
     out = Console(highlight=False, soft_wrap=True)
     out.print()
     out.print("[bold]Sources[/]")
     cited = {}
-    for c in answer.citations:
-        cited.setdefault(c.source, []).append(c)
-    for s in answer.sources:
-        where = s.path + (f"#{s.key}" if s.key else "")
-        span = f"lines {s.lines[0]}–{s.lines[1]}" if s.lines else f"chars {s.start}–{s.end}"
-        if s.pieces:  # cut by the source budget: the ranges that were sent
-            span += " (sent chars " + ", ".join(f"{a}–{b}" for a, b in s.pieces) + ")"
-        n = len(cited.get(s.number, []))
+    for c in answer["citations"]:
+        cited.setdefault(c["source"], []).append(c)
+    for s in answer["sources"]:
+        where = s["path"] + (f"#{s['key']}" if s["key"] else "")
+        span = f"lines {s['lines'][0]}–{s['lines'][1]}" if s["lines"] else f"chars {s['start']}–{s['end']}"
+        if s["pieces"] != [[s["start"], s["end"]]]:  # cut by the source budget: the ranges that were sent
+            span += " (sent chars " + ", ".join(f"{a}–{b}" for a, b in s["pieces"]) + ")"
+        n = len(cited.get(s["source"], []))
         quoted = f"[green]{n} quote{'s' if n != 1 else ''}[/]" if n else "[dim]not quoted[/]"
-        out.print(f"  [{s.number}] [cyan]{where}[/] {span} [dim](score {s.score:.4f})[/] {quoted}")
-    for c in answer.citations:
-        q = " ".join(c.quote.split())
-        out.print(f"  [dim]└ [{c.source}] chars {c.start}–{c.end}: “{q[:100]}{'…' if len(q) > 100 else ''}”[/]")
+        out.print(f"  [{s['source']}] [cyan]{escape(where)}[/] {span} [dim](score {s['score']:.4f})[/] {quoted}")
+    for c in answer["citations"]:
+        q = " ".join(c["quote"].split())
+        out.print(f"  [dim]└ [{c['source']}] chars {c['start']}–{c['end']}: "
+                  f"“{escape(q[:100])}{'…' if len(q) > 100 else ''}”[/]")
 
 
-def _print_stats(answer) -> None:
-    s = answer.stats
-    speed = f" · speed-up ≈ {s.speedup_estimate:.2f}× vs plain decoding" if s.speedup_estimate else ""
+def _print_stats(answer: dict, via: str | None = None) -> None:
+    from rich.markup import escape
+
+    s = answer["stats"]
+    speed = f" · speed-up ≈ {s['speedup_estimate']:.2f}× vs plain decoding" if s["speedup_estimate"] else ""
+    reused = []
+    if s["prefix_reused_tokens"]:
+        reused.append(f"{s['prefix_reused_tokens']} reused from earlier prompts")
+    if s["cache_reused_tokens"]:
+        reused.append(f"{s['cache_reused_tokens']} from the source cache")
+    if s["cache_note"]:
+        reused.append(f"source cache: {s['cache_note']}")
     console.print(
-        f"[dim]retrieval {s.retrieval_ms:.0f} ms · prompt {s.prompt_tokens} tokens, prefill {s.prefill_ms:.0f} ms"
-        + (f" ({s.cache_reused_tokens} from the source cache)" if s.cache_reused_tokens else "")
-        + (f" (source cache: {s.cache_note})" if s.cache_note else "") + " · "
-        + f"{s.new_tokens} tokens in {s.decode_ms / 1000:.1f} s ({s.decode_tokens_per_s:.1f} tok/s, "
-        f"{s.mean_accepted:.2f} tokens/step, drafting {s.drafting}){speed}"
-        + (f" · {s.backend}/{s.dtype}" if s.backend else "") + "[/]"
+        f"[dim]retrieval {s['retrieval_ms']:.0f} ms · prompt {s['prompt_tokens']} tokens, prefill "
+        f"{s['prefill_ms']:.0f} ms" + (f" ({'; '.join(reused)})" if reused else "") + " · "
+        + f"{s['new_tokens']} tokens in {s['decode_ms'] / 1000:.1f} s ({s['decode_tokens_per_s']:.1f} tok/s, "
+        f"{s['mean_accepted']:.2f} tokens/step, drafting {s['drafting']}){speed}"
+        + (f" · {s['backend']}/{s['dtype']}" if s["backend"] else "")
+        + (f" · answered by {escape(via)}" if via else "") + "[/]"
     )
 
 

@@ -324,9 +324,9 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz():
-        return {"status": "ok", "model": server.model_name, "queued": server.admitted, "capacity": server.capacity,
-                "cancelled": server.cancelled, "prompt_cache_mb": round(server.pipe.prompt_cache_bytes / 2 ** 20, 1),
-                "auth": server.api_key is not None}
+        return {"status": "ok", "model": server.model_name, "index": server.pipe.retriever.index.path.name,
+                "queued": server.admitted, "capacity": server.capacity, "cancelled": server.cancelled,
+                "prompt_cache_mb": round(server.pipe.prompt_cache_bytes / 2 ** 20, 1), "auth": server.api_key is not None}
 
     # -- models, documents, search ---------------------------------------------------------------------------
     @app.get("/v1/models", dependencies=v1)
@@ -371,7 +371,8 @@ def create_app(server: Server) -> FastAPI:
         cancel = threading.Event()
 
         def make():
-            return server.pipe.stream(req.question, max_new_tokens=max_new, history=history or None, cancel=cancel)
+            return server.pipe.stream(req.question, max_new_tokens=max_new, history=history or None,
+                                      filter=req.filter, cancel=cancel)
 
         if not req.stream:
             answer = await server.final_answer(make, cancel, request)

@@ -146,6 +146,7 @@ class AskRequest(_Strict):
     stream: bool = False
     max_tokens: int | None = Field(None, ge=1)
     history: list[Turn] = Field(default_factory=list, description="earlier turns, first a user turn")
+    filter: dict | list[str] | str | None = None  # metadata filter for retrieval, as in /v1/search
 
 
 class SearchRequest(_Strict):
