@@ -313,8 +313,10 @@ def serve(
         with console.status("loading the index and the model…"):
             server = build_server(str(index_path), load_spec(spec), api_key=api_key)
         shown = f"[{host}]" if ":" in host else host
-        console.print(f"ragspec serving {index_path} with {server.model_name} on http://{shown}:{port}/"
+        url = f"http://{shown}:{port}"
+        console.print(f"ragspec serving {index_path} with {server.model_name} on {url}/"
                       + (" (API key required)" if api_key else ""))
+        console.print(f'[dim]from a terminal: ragspec ask "QUESTION" --server {url}[/]', highlight=False)
         uvicorn.run(create_app(server), host=host, port=port, log_level="warning")
 
     run(body)
