@@ -215,17 +215,14 @@ class Pipeline(SourceCacheMixin):
     def tokenizer(self):
         return self.load()._tokenizer
 
-    def prompt_builder(self, max_new_tokens: int, decline: str | None = None,
-                       offer_after_sources: bool = False) -> PromptBuilder:
-        """`decline`: the decline phrasing (default `self.decline`; NO_DECLINE when the relevance gate passed);
-        `offer_after_sources`: where the gate is unsure, the offer follows the sources (`PromptBuilder`)."""
+    def prompt_builder(self, max_new_tokens: int, decline: str | None = None) -> PromptBuilder:
+        """`decline`: the decline phrasing (default `self.decline`; NO_DECLINE when the relevance gate passed)."""
         p = self.spec.prompt
         budget = p.max_context_tokens
         if budget is None:
             window = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
             budget = window - max_new_tokens if window else None
-        return PromptBuilder(self.tokenizer, p.style, p.system, budget, decline=decline or self.decline,
-                             offer_after_sources=offer_after_sources)
+        return PromptBuilder(self.tokenizer, p.style, p.system, budget, decline=decline or self.decline)
 
     @property
     def window_scorer(self):
@@ -376,12 +373,10 @@ class Pipeline(SourceCacheMixin):
         gate, cut = found.get("gate"), found.get("budget")
         declined = gate is not None and gate.declined
         # past the gate a source is about the question: the model is asked to answer, not offered to decline,
-        # unless the score is in the gate's unsure band; then the offer follows the sources, so a question the
-        # gate doubts shares its prompt's start with those it does not (the tree of earlier prompts reuses it)
+        # unless the score is in the gate's unsure band
         decline = NO_DECLINE if gate is not None and not gate.unsure else None
         with self._gen_lock:  # built first: a prompt over the budget is an error, gated or not
-            built = self.prompt_builder(max_new, decline, gate is not None).build(question, sources, history,
-                                                                                 instructions)
+            built = self.prompt_builder(max_new, decline).build(question, sources, history, instructions)
         built.source_budget, built.dropped = budget, built.dropped + (cut.dropped if cut else 0)
         relevance = gate.score if gate is not None and not history else None  # a follow-up: judged on the first turn
         return Prepared(built, sources, retrieval_ms, relevance, declined)

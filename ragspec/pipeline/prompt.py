@@ -137,14 +137,13 @@ class BuiltPrompt:
 
 
 def render_messages(style: str, system: str | None, question: str, sources: list[SourceText],
-                    history: list[dict] | None = None, offer: str | None = None,
-                    ) -> tuple[list[dict], list[tuple[int, int]]]:
+                    history: list[dict] | None = None) -> tuple[list[dict], list[tuple[int, int]]]:
     """Chat messages and, per source, the (start, end) of its text inside the (first) user message.
 
     `history`: earlier turns of a conversation ({"role": "user"|"assistant", "content"}, starting with a user
     turn). The sources then sit in the first user turn, before its question, and the later turns follow as
     they were: a follow-up over the same sources repeats the whole earlier prompt and answer (whose KV cache a
-    prefix store can reuse). `offer`: the offer to decline, between the sources and the (first) question."""
+    prefix store can reuse)."""
     history = list(history or [])
     first = history[0]["content"] if history else question
     parts = ["Sources:\n"]
@@ -158,9 +157,8 @@ def render_messages(style: str, system: str | None, question: str, sources: list
         spans.append((pos, pos + len(s.text)))
         parts.append(s.text + "\n")
         pos += len(s.text) + 1
-    ask = (f"{offer}\n\n" if offer else "") + f"Question: {first}"
-    parts.append(f"\n{ask}")
-    user = "".join(parts) if sources else ask
+    parts.append(f"\nQuestion: {first}")
+    user = "".join(parts) if sources else f"Question: {first}"
     messages = [{"role": "system", "content": system or SYSTEM[style]}, {"role": "user", "content": user}]
     if history:
         for m in history[1:]:
@@ -174,10 +172,7 @@ class PromptBuilder:
     """Builds prompts for one tokenizer; `max_tokens` is the prompt budget (the answer's is kept apart)."""
 
     def __init__(self, tokenizer, style: str = "quote", system: str | None = None, max_tokens: int | None = None,
-                 decline: str = "last_resort", offer_after_sources: bool = False):
-        """`offer_after_sources`: the offer to decline goes between the sources and the question instead of into
-        the system instruction (where the relevance gate offers it to some questions only: every prompt then
-        starts the same way up to its question, so earlier prompts' KV serves it)."""
+                 decline: str = "last_resort"):
         if not getattr(tokenizer, "is_fast", False):
             raise RagspecError("the prompt builder needs a fast tokenizer (offset mapping); this model has none")
         self.tokenizer = tokenizer
@@ -185,7 +180,6 @@ class PromptBuilder:
         self.system = system
         self.max_tokens = max_tokens
         self.decline = decline
-        self.offer_after_sources = offer_after_sources
 
     def render(self, messages: list[dict]) -> str:
         try:
@@ -218,11 +212,10 @@ class PromptBuilder:
         return built
 
     def _build(self, question: str, sources: list[SourceText], history=None, instructions=None) -> BuiltPrompt:
-        offer = DECLINE.get(self.decline) if self.offer_after_sources and not self.system else None
-        system = self.system or system_instruction(self.style, NO_DECLINE if offer else self.decline)
+        system = self.system or system_instruction(self.style, self.decline)
         if instructions:
             system = system + "\n\n" + instructions
-        messages, spans = render_messages(self.style, system, question, sources, history, offer)
+        messages, spans = render_messages(self.style, system, question, sources, history)
         text = self.render(messages)
         user = messages[1]["content"]
         # where each source's text sits in the rendered prompt (templates copy content verbatim)
