@@ -228,10 +228,12 @@ def test_ask_on_the_command_line_through_the_server(live, answers, index_path):
     doc = json.loads(out.stdout)
     assert doc["text"] == ref.text and doc["citations"] == [c.as_json() for c in ref.citations]
     assert "torch imported: False" in out.stderr
-    # streamed (stdout is no terminal: plain text), the server named by the environment, the index checked
+    # streamed (stdout is no terminal: plain text), the server named by the environment, the index checked,
+    # a proxy meant for the internet not used for this machine's server
     wait_idle(srv.url)
-    out = cli(q, "--index", str(index_path), "--max-new-tokens", "40",
-              env={"RAGSPEC_SERVER": srv.url.removeprefix("http://"), "RAGSPEC_API_KEY": KEY})
+    out = cli(q, "--index", str(index_path), "--max-new-tokens", "40",  # a proxy set for the internet: bypassed
+              env={"RAGSPEC_SERVER": srv.url.removeprefix("http://"), "RAGSPEC_API_KEY": KEY,
+                   "HTTP_PROXY": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(ref.text) and "Sources" in out.stdout and "[1]" in out.stdout
     assert f"answered by {srv.url}" in out.stderr and "torch imported: False" in out.stderr

@@ -4,8 +4,10 @@ answers without importing torch or loading a model (the server holds both, and i
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +29,8 @@ class ServerClient:
         self.url = url
         self.api_key = api_key
         self.timeout_s = timeout_s
+        # a server on this machine is reached directly, whatever HTTP(S)_PROXY says (a proxy cannot reach it)
+        self._opener = urllib.request.build_opener(*([urllib.request.ProxyHandler({})] if _loopback(url) else []))
 
     def _open(self, path: str, body: dict | None = None):
         data = None if body is None else json.dumps(body).encode("utf-8")
@@ -37,7 +41,7 @@ class ServerClient:
         if self.api_key:
             req.add_header("Authorization", f"Bearer {self.api_key}")
         try:
-            return urllib.request.urlopen(req, timeout=self.timeout_s)  # http(s) only: checked in __init__
+            return self._opener.open(req, timeout=self.timeout_s)  # http(s) only: checked in __init__
         except urllib.error.HTTPError as exc:
             raise RagspecError(self._http_error(exc)) from None
         except (urllib.error.URLError, OSError) as exc:
@@ -97,6 +101,16 @@ class ServerClient:
             raise RagspecError(f"the connection to the server at {self.url} broke mid-answer ({exc})") from None
         finally:
             r.close()
+
+
+def _loopback(url: str) -> bool:
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _body(question: str, stream: bool, max_tokens: int | None, filter) -> dict:
