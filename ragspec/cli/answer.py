@@ -81,32 +81,25 @@ def ask(
             pipe.load(progress=lambda line: console.print(f"[dim]{line}[/]"))
         from ragspec.console import PrefillProgress, status
 
-        answer = None
         if as_json or no_stream:
             with status("answering…") as spinner:
                 answer = pipe.ask(question, on_progress=PrefillProgress(spinner=spinner)).as_json()
             _print_whole(answer, as_json)
             return
-        from rich.console import Console
-
-        live = _LiveAnswer(Console(highlight=False, soft_wrap=True))
         reading = PrefillProgress()
-        try:
+
+        def events():
             for ev in pipe.stream(question, on_progress=reading):
                 if isinstance(ev, SourcesEvent):
-                    _print_warnings(ev.warnings)
+                    yield "sources", {"warnings": ev.warnings}
                 elif isinstance(ev, TextEvent):
-                    reading.close()
-                    live.text(ev.text)
+                    yield "text", {"text": ev.text}
                 elif isinstance(ev, CitationEvent):
-                    live.cite(ev.citation.as_json())
+                    yield "citation", ev.citation.as_json()
                 elif isinstance(ev, DoneEvent):
-                    answer = ev.answer.as_json()
-        finally:  # Ctrl-C included: the terminal is left clean
-            reading.close()
-            live.close()
-        _print_sources(answer)
-        _print_stats(answer)
+                    yield "done", ev.answer.as_json()
+
+        _show_stream(events(), reading.close)
 
     run(body)
 
@@ -130,28 +123,36 @@ def _ask_server(url, api_key, question, index_path, max_new_tokens, where, as_js
             answer = client.ask(question, max_tokens=max_new_tokens, filter=filter)
         _print_whole(answer, as_json, via=client.url)
         return
+    with contextlib.ExitStack() as waiting:
+        waiting.enter_context(status("waiting for the server…"))
+        _show_stream(client.stream(question, max_tokens=max_new_tokens, filter=filter), waiting.close,
+                     via=client.url)
+
+
+def _show_stream(events, before_text, via: str | None = None) -> None:
+    """Print a streamed answer, given as (event, JSON) pairs as `/v1/ask` sends them: warnings, then the text
+    (copied spans highlighted as their citations arrive), then the sources and the stats line. `before_text()`
+    clears what held the screen until the first text (a progress bar, a spinner)."""
     from rich.console import Console
 
     live = _LiveAnswer(Console(highlight=False, soft_wrap=True))
     answer = None
-    with contextlib.ExitStack() as waiting:
-        waiting.enter_context(status("waiting for the server…"))
-        try:
-            for event, data in client.stream(question, max_tokens=max_new_tokens, filter=filter):
-                if event == "sources":
-                    _print_warnings(data["warnings"])
-                elif event == "text":
-                    waiting.close()  # the spinner goes at the first text
-                    live.text(data["text"])
-                elif event == "citation":
-                    live.cite(data)
-                elif event == "done":
-                    answer = data
-        finally:  # Ctrl-C included: the connection closes (the server stops generating) and the terminal is clean
-            waiting.close()
-            live.close()
+    try:
+        for event, data in events:
+            if event == "sources":
+                _print_warnings(data["warnings"])
+            elif event == "text":
+                before_text()
+                live.text(data["text"])
+            elif event == "citation":
+                live.cite(data)
+            elif event == "done":
+                answer = data
+    finally:  # Ctrl-C included: the terminal is left clean (and a server's connection closes: it stops generating)
+        before_text()
+        live.close()
     _print_sources(answer)
-    _print_stats(answer, via=client.url)
+    _print_stats(answer, via=via)
 
 
 def _print_warnings(warnings) -> None:
