@@ -84,7 +84,9 @@ def test_settings_that_need_no_measurement():
         ("transformers", "float32")
     assert resolve(GeneratorSettings(model=SMOL, backend="auto"), "cuda", 1000, 32, "suffix")[:2] == \
         ("transformers", "bfloat16")
-    if not machine.native_bf16():  # transformers + dtype auto: float32 is the only candidate, taken as is
+    cpu_here = machine.cpu_info()
+    runnable = [c.name for c in machine.CANDIDATES if c.backend == "transformers" and not c.needs(cpu_here, SMOL)]
+    if runnable == ["transformers/float32"]:  # transformers + dtype auto: float32 the only candidate, taken as is
         c = resolve(GeneratorSettings(model=SMOL, backend="transformers"), "cpu", 1000, 32, "suffix")
         assert c[:2] == ("transformers", "float32") and "only candidate" in c.reason
         pld = resolve(GeneratorSettings(model=SMOL, backend="auto"), "cpu", 1000, 32, "pldplus-h")
