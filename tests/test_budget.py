@@ -1,11 +1,20 @@
 """The cost-aware budget: a monotone cost curve, and a tree cap that follows acceptance and cost."""
 
-from ragspec.decoding.budget import AdaptiveBudget, CostModel, monotone
+from ragspec.decoding.budget import ALWAYS, AdaptiveBudget, CostModel, measured_enough, monotone
 
 
 def test_monotone_removes_upward_noise():
     assert monotone([120, 170, 170, 380, 470, 350, 450]) == [120, 170, 170, 350, 350, 350, 450]
     assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+
+
+def test_a_cut_measurement_extrapolates_its_last_two_sizes():
+    """t(n) stops being measured past ALWAYS once a forward takes stop_ms; the rest is the last slope."""
+    assert not measured_enough(8, 5000.0, 1000.0)  # below ALWAYS: measured whatever it costs
+    assert not measured_enough(ALWAYS, 999.0, 1000.0) and not measured_enough(64, 5000.0, None)
+    assert measured_enough(ALWAYS, 1000.0, 1000.0)
+    cut = CostModel([1, 8, 16, 32], [60, 200, 380, 800])
+    assert cut.time(64) == 800 + (800 - 380) / 16 * 32 and cut.time(24) == 590
 
 
 def test_budget_follows_cost_and_acceptance():

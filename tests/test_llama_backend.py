@@ -268,7 +268,7 @@ def test_calibration_is_measured_once_and_cached(llama, tmp_path, monkeypatch):
     files = list(tmp_path.glob("*.json"))
     assert len(files) == 1 and files[0].name.startswith("llamacpp-") and "-cpu" in files[0].name
     assert cost.sizes == [1, 4, 16] and all(x > 0 for x in cost.ms) and cost.ms == sorted(cost.ms)
-    monkeypatch.setattr(LlamaCppBackend, "measure_costs", staticmethod(lambda *a: pytest.fail("re-measured")))
+    monkeypatch.setattr(LlamaCppBackend, "measure_costs", staticmethod(lambda *a, **k: pytest.fail("re-measured")))
     again = calibrate(model, context=64, cache_dir=tmp_path, sizes=(1, 4, 16), progress=lines.append)
     assert again.ms == [round(x, 3) for x in cost.ms] and len(lines) == 1  # read, not measured: nothing said
 

@@ -19,6 +19,7 @@ from ragspec.decoding.drafters import make_drafter
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.tree import DraftTree
+from ragspec.paths import read_json
 
 pytestmark = pytest.mark.slow
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [10, 10, 10, 10.2, 10.4, 10.8, 11.6, 13, 16])
@@ -164,6 +165,19 @@ def test_calibration_measures_steps(smol):
     model, _ = smol
     ms = StaticBackend.measure_costs(model, 64, 1, [1, 8])
     assert len(ms) == 2 and all(m > 0 for m in ms)
+
+
+def test_calibration_stops_past_the_sizes_that_can_pay(smol, tmp_path, monkeypatch):
+    """Once a forward past budget.ALWAYS takes STOP_MS, larger sizes are not measured: the cost file keeps the
+    sizes it measured and the budget extrapolates the rest."""
+    from ragspec.decoding.backends import calibrate
+
+    model, _ = smol
+    assert len(TransformersBackend.measure_costs(model, 32, 1, [1, 16, 24, 32], stop_ms=0.0)) == 2
+    monkeypatch.setattr(backends, "STOP_MS", 0.0)  # every forward is "long": stop at the first past ALWAYS
+    cost = calibrate(model, context=32, repeats=1, cache_dir=tmp_path, sizes=(1, 2, 16, 24, 32))
+    assert cost.sizes == [1, 2, 16] and cost.time(32) >= cost.time(16)
+    assert read_json(next(tmp_path.glob("*.json")))["sizes"] == [1, 2, 16]
 
 
 def test_loads_together_measure_t_n_once(smol, tmp_path, monkeypatch):

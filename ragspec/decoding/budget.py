@@ -19,6 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+ALWAYS = 16  # t(n) is measured up to here whatever it costs: the trees that pay on a slow machine live below it
+
+
+def measured_enough(n: int, ms: float, stop_ms: float | None) -> bool:
+    """Whether a t(n) measurement may stop after size n, which took `ms`: past ALWAYS, once one forward takes
+    `stop_ms` (None: never), since a bigger tree cannot pay there and `CostModel.time` extrapolates the rest."""
+    return stop_ms is not None and n >= ALWAYS and ms >= stop_ms
 
 
 @dataclass

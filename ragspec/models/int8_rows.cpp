@@ -10,7 +10,8 @@
 //   scale_int32(acc [M, N] int32, row_scale [M, 1], col_scale [1, N], bias [N] or empty) -> [M, N] float32:
 //     (float(acc) * row_scale) * col_scale (+ bias)
 // Rows are independent (a row's maximum is exact in any order), so a row's bits never depend on the batch.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h: a third less to compile on a first ask
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

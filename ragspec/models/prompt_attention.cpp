@@ -18,7 +18,9 @@
 // Shapes as attention_kernel.cpp: q [B, H, Q, D] float32, k and v [B, Hkv, K, D] float32 (rows contiguous), mask
 // [B, 1|H, Q, >=K] additive float32 or empty; D a multiple of 16. Output [B, Q, H, D] float32. The AVX-512 loops and
 // the scalar ones below compute the same bits (the same fused multiply-adds, the same order).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h: a third less to compile on a first ask
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -57,6 +57,7 @@ def cost_key(model) -> str:
     return backend_class(model).cost_key(model)
 
 
+STOP_MS = 1000.0  # t(n) measurement: no larger size once a forward takes this long
 BUSY = 0.7  # a t(n) measurement that got less than this share of its cores ran beside another job
 TRIES = 3  # loads that measure contended figures (again) before they are kept as they are
 
@@ -68,7 +69,9 @@ def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | Non
     `progress(line)` hears when it measures (8 s for the 0.5B, 14 s for the 1.5B on dtype gguf, 2 cores).
     Figures measured beside another job (under BUSY of the process's cores, measured again at once) would plan
     every later ask's drafts with a slow machine's costs: they are kept marked, and the next loads measure again,
-    TRIES in all, keeping the least contended."""
+    TRIES in all, keeping the least contended. Past budget.ALWAYS, sizes after the first forward of STOP_MS are not
+    measured: no draft tree that big pays, and `CostModel.time` extrapolates from the last two (a Zen 3's 1.5B
+    spent 17 of its 31 s on t(64…256))."""
     backend = backend_class(model)
     folder = cache_dir or ragspec_home() / "calibration"
     path = folder / f"{backend.cost_key(model)}.json"
@@ -84,7 +87,7 @@ def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | Non
         if old is not None and not _measure_again(old):
             return _costs(old)
         say(f"measuring this model's step cost for the draft budget once (forwards of {sizes[0]}-{sizes[-1]} "
-            f"tokens; kept in {path})" if old is None else
+            f"tokens, or until one takes {STOP_MS / 1000:g} s; kept in {path})" if old is None else
             f"measuring this model's step cost again: the kept figures were measured beside another job "
             f"({old['cpu_share']:.0%} of the cores; try {old.get('tries', 1) + 1} of {TRIES})")
         threads = _cpu_threads(model)
@@ -94,10 +97,11 @@ def calibrate(model, context: int = 384, repeats: int = 3, cache_dir: Path | Non
             ms, share = max((ms, share), _measure(backend, model, context, repeats, sizes, threads),
                             key=lambda r: r[1])
         tries = old.get("tries", 1) + 1 if old is not None else 1
+        measured = list(sizes)[:len(ms)]
         if old is not None and share is not None and old["cpu_share"] > share:  # the old figures were less disturbed
-            ms, share = old["ms"], old["cpu_share"]
+            measured, ms, share = old["sizes"], old["ms"], old["cpu_share"]
         contended = share is not None and share < BUSY
-        data = CostModel(list(sizes), ms).as_dict() | {
+        data = CostModel(measured, ms).as_dict() | {
             "context": context, "key": path.stem, "backend": backend.name, "threads": threads,
             "cpu_share": share, "contended": contended, "tries": tries}
         write_json(path, data)
@@ -122,7 +126,7 @@ def _measure(backend, model, context, repeats, sizes, threads) -> tuple[list[flo
     import time
 
     r0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    ms = backend.measure_costs(model, context, repeats, list(sizes))
+    ms = backend.measure_costs(model, context, repeats, list(sizes), stop_ms=STOP_MS)
     r1, w1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     cpu_s = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     return ms, (round(cpu_s / ((w1 - w0) * threads), 2) if threads else None)

@@ -27,6 +27,7 @@ import numpy as np
 from ragspec.cpu_flags import flags_hash
 from ragspec.decoding.backends.accept import accept_sampled, new_generator, walk_greedy
 from ragspec.decoding.backends.base import StepResult, check_cancel
+from ragspec.decoding.budget import measured_enough
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.tree import DraftTree
 from ragspec.errors import RagspecError
@@ -373,8 +374,10 @@ class LlamaCppBackend:
         return f"llamacpp-{model.name}-{h}-cpu{flags_hash()}-t{model.n_threads}"
 
     @staticmethod
-    def measure_costs(model: LlamaCppModel, context: int, repeats: int, sizes) -> list[float]:
-        """Median ms of one decode of an n-node chain tree over a `context`-token cache, for each n."""
+    def measure_costs(model: LlamaCppModel, context: int, repeats: int, sizes,
+                      stop_ms: float | None = None) -> list[float]:
+        """Median ms of one decode of an n-node chain tree over a `context`-token cache, for each n (up to the
+        first that takes `stop_ms`)."""
         rng = np.random.default_rng(0)
         hi = min(model.n_vocab, 30000)
         model.clear()
@@ -390,6 +393,8 @@ class LlamaCppBackend:
                 times.append((time.perf_counter() - t) * 1000)
                 model.lc.llama_memory_seq_rm(model.mem, 0, context, -1)
             ms.append(sorted(times[1:])[len(times[1:]) // 2])
+            if measured_enough(n, ms[-1], stop_ms):
+                break
         model.clear()
         return ms
 

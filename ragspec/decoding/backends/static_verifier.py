@@ -31,6 +31,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ragspec.decoding.backends.base import check_cancel, chunks
 from ragspec.decoding.backends.transformers import TransformersBackend, cache_arg, sliding_window
+from ragspec.decoding.budget import measured_enough
 from ragspec.decoding.tree import DraftTree
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows a forward runs, padded up; one CUDA graph each
@@ -322,9 +323,9 @@ class StaticBackend(TransformersBackend):
         return TransformersBackend.cost_key(model) + "-static" + graphs
 
     @staticmethod
-    def measure_costs(model, context: int, repeats: int, sizes) -> list[float]:
+    def measure_costs(model, context: int, repeats: int, sizes, stop_ms: float | None = None) -> list[float]:
         """Median ms of a step of n rows (inputs, forward — a graph replay on CUDA — and nothing kept) over a
-        `context`-token cache, for each n in `sizes`."""
+        `context`-token cache, for each n in `sizes` (up to the first that takes `stop_ms`)."""
         from ragspec.decoding.sampling import SamplingSettings
 
         dev = next(model.parameters()).device
@@ -349,6 +350,8 @@ class StaticBackend(TransformersBackend):
                         torch.cuda.synchronize()
                     times.append((time.perf_counter() - t) * 1000)
                 ms.append(sorted(times[1:])[len(times[1:]) // 2])
+                if measured_enough(n, ms[-1], stop_ms):
+                    break
         return ms
 
 

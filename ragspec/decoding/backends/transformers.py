@@ -15,12 +15,14 @@ import torch
 
 from ragspec.decoding.backends.accept import accept_greedy, accept_sampled, new_generator, walk_greedy
 from ragspec.decoding.backends.base import PREFILL_CHUNK, StepResult, check_cancel, chunks
-from ragspec.decoding.backends.growing_cache import growing
+from ragspec.decoding.backends.growing_cache import growing, stand_in_context
+from ragspec.decoding.budget import measured_enough
 from ragspec.decoding.prompt_mode import prompt_copy, prompt_forward
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.tree import DraftTree
 
 LONG_MS = 1000.0  # t(n) measurement: timed runs of one size that add up to this are enough
+WARM_ROWS = 16  # t(n) measurement over a stand-in context: the rows of the forward that warms up first
 
 _CACHE_KEYWORD: dict[type, str] = {}
 
@@ -373,11 +375,12 @@ class TransformersBackend:
                 f"-t{threads}{packed}{attn}{int8}")
 
     @staticmethod
-    def measure_costs(model, context: int, repeats: int, sizes) -> list[float]:
+    def measure_costs(model, context: int, repeats: int, sizes, stop_ms: float | None = None) -> list[float]:
         """Median ms of a forward of n tokens over a `context`-token cache, for each n in `sizes`: `repeats`
         timed runs after a warm-up, fewer where they are long. A size whose timed runs reach `LONG_MS` stops
         there (one 2-s forward of 256 rows says what three do), and no warm-up runs after a forward of over
-        100 ms. On a CPU that is most of the time: the 1.5B's table took 32 s on dtype gguf, now 14 s."""
+        100 ms. On a CPU that is most of the time: the 1.5B's table took 32 s on dtype gguf, now 14 s.
+        `stop_ms`: past budget.ALWAYS, no larger size once a forward takes this long (fewer figures come back)."""
         from transformers import DynamicCache
 
         dev = next(model.parameters()).device
@@ -387,7 +390,13 @@ class TransformersBackend:
         ms = []
         with torch.inference_mode():
             cache = growing(DynamicCache(config=model.config))  # as the steps run it
-            model(input_ids=ctx, **cache_arg(model, cache), use_cache=True, logits_to_keep=1)
+            if stand_in_context(cache, model.config, context, next(model.parameters()).dtype, dev):
+                first = ctx[:, :WARM_ROWS]  # a short forward warms what reading the context would have
+                model(input_ids=first, position_ids=torch.arange(context, context + WARM_ROWS, device=dev)[None],
+                      **cache_arg(model, cache), use_cache=True, logits_to_keep=1)
+                _back_to(cache, context)
+            else:
+                model(input_ids=ctx, **cache_arg(model, cache), use_cache=True, logits_to_keep=1)
             for n in sizes:
                 ids = torch.randint(100, min(vocab, 30000), (1, n), generator=gen).to(dev)
                 pos = torch.arange(context, context + n, device=dev)[None]
@@ -401,9 +410,16 @@ class TransformersBackend:
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     times.append((time.perf_counter() - t) * 1000)
-                    for layer in cache.layers:  # back to the context only
-                        layer.keys = layer.keys[:, :, :context]
-                        layer.values = layer.values[:, :, :context]
+                    _back_to(cache, context)
                 timed = sorted(times[warm:])
                 ms.append(timed[len(timed) // 2])
+                if measured_enough(n, ms[-1], stop_ms):
+                    break
         return ms
+
+
+def _back_to(cache, context: int) -> None:
+    """Trim every layer of `cache` back to its first `context` rows (a measured forward's rows dropped)."""
+    for layer in cache.layers:
+        layer.keys = layer.keys[:, :, :context]
+        layer.values = layer.values[:, :, :context]
