@@ -42,9 +42,9 @@ SUPER = ("u6", "u4k", "u4k8")  # K-quants: super-blocks of 256 inputs
 
 
 def random_linear(fmt: str, rows: int, cols: int, seed: int = 0, bias: bool = False,
-                  rule: bool | None = False) -> GGUFLinear:
+                  rule: bool | None = False, top: bool = False) -> GGUFLinear:
     """`fmt` "u4k8": u4k weights on the Q8_K rule; "u4k" on the group rule, or with `rule` None as the machine's
-    default decides."""
+    default decides. `top`: every unsigned weight at its format's largest value (the integer sums' worst case)."""
     rng = np.random.default_rng(seed)
     g = cols // GROUP
     superblock = fmt == "u4k8"
@@ -63,6 +63,8 @@ def random_linear(fmt: str, rows: int, cols: int, seed: int = 0, bias: bool = Fa
         q = rng.integers(0, TOP[fmt], (rows, cols)).astype(np.uint8)
         d = (rng.random((rows, g)) * 0.01).astype(np.float32)
         m = (-rng.random((rows, g)) * 0.05).astype(np.float32)
+    if top and fmt != "s8":
+        q = np.full_like(q, TOP[fmt] - 1)
     b = torch.randn(rows) if bias else None
     return GGUFLinear(fmt, q, d, m, b, prompt_copy=False, superblock=True if superblock else rule)
 
@@ -139,6 +141,32 @@ def test_amx_tiles_give_the_same_bits():
                     assert torch.equal(tiles, ops.mlp(x, *args, 256, 48)), (m, gate.code)
     finally:
         ops.amx(1)
+
+
+def test_paired_integer_sums_give_the_same_bits():
+    """On AVX2 without VNNI the kernel adds two (6-bit weights) or four (at most 5 bits) chunks' u8 x s8 products
+    in int16 before widening to int32: exact while a lane's sum stays under 2^15, so the same bits as one chunk per
+    widening, shown at the worst case too (every weight at its top value, every activation at +-127)."""
+    from ragspec.models.gguf_kernel import load_kernels
+
+    ops = load_kernels()
+    if not ops.paired(-1):
+        pytest.skip("this build widens every chunk (VNNI, or no AVX2)")
+    try:
+        with torch.inference_mode():
+            for fmt in FMTS:
+                cols = 768 if fmt in SUPER else 640
+                for top in (False, True):
+                    lin = random_linear(fmt, 136, cols, seed=6, top=top)
+                    x = torch.randn(13, cols, generator=torch.Generator().manual_seed(3))
+                    x[:4] = torch.tensor([[1.0], [-1.0], [3.0], [-0.5]])  # rows whose every activation is +-127
+                    out = []
+                    for mode in (0, 1, 2):
+                        ops.paired(mode)
+                        out.append(lin(x))
+                    assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2]), (fmt, top)
+    finally:
+        ops.paired(2)
 
 
 def test_zero_rows_and_bad_shapes():

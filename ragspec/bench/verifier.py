@@ -10,7 +10,8 @@ spin on the other's cores: on a machine whose speed moves by the minute, the per
 figure. `--kernel` instead runs every linear of the 0.5B's shapes (random
 blocks, 24 layers as a step does; `--head` adds the 151,936-row head) through `ragspec_gguf::qmatmul` for each
 row count and prints ms and GOP/s. `--amx N` (CPUs with AMX) runs dtype gguf with the kernel's AMX tiles off and on
-in turn, prefills and steps, and prints the per-pair ratio and whether the logits were the same bits. `--q8k N`
+in turn, prefills and steps, and prints the per-pair ratio and whether the logits were the same bits; `--paired N`
+(AVX2 without VNNI) likewise switches the integer dot between one chunk per widening and up to four. `--q8k N`
 likewise switches the Q4_K linears between the group activation rule and llama.cpp's Q8_K rule (u4k8; other
 numerics, so it prints the largest logit difference too). `--prompt-copy N` switches every linear's prompt
 chunks between the integer kernel and the opt-in bf16 prompt copy (`RAGSPEC_GGUF_PROMPT`); oneDNN runs the copy
@@ -104,6 +105,23 @@ def amx_pairs(model: str, rounds: int) -> None:
         switched_pairs(hf, rounds, ops.amx, ("off_ms", "amx_ms"))
     finally:
         ops.amx(1)
+
+
+def paired_pairs(model: str, rounds: int) -> None:
+    """dtype gguf on an AVX2 CPU without VNNI with up to four chunks' products added in int16 before widening (1,
+    the kernel's default) and one chunk at a time (0): the same build, the same bits."""
+    from ragspec.models.generator import load_generator
+    from ragspec.models.gguf_kernel import load_kernels
+
+    ops = load_kernels()
+    if not ops.paired(-1):
+        print(json.dumps({"paired": "not in this build (VNNI, or no AVX2)"}))
+        return
+    hf, _ = load_generator(model, "cpu", "gguf")
+    try:
+        switched_pairs(hf, rounds, lambda on: ops.paired(2 if on else 0), ("single_ms", "paired_ms"))
+    finally:
+        ops.paired(2)
 
 
 def q8k_pairs(model: str, rounds: int) -> None:
@@ -344,6 +362,8 @@ def main(argv=None) -> None:
                    help="both candidates loaded at once, N single steps of each in turn (t(1), t(16))")
     p.add_argument("--amx", type=int, default=0, metavar="N",
                    help="dtype gguf with the AMX tiles off and on, N prefills of each in turn (then steps)")
+    p.add_argument("--paired", type=int, default=0, metavar="N",
+                   help="dtype gguf on AVX2 without VNNI: chunks one at a time and two by two, N prefills of each")
     p.add_argument("--q8k", type=int, default=0, metavar="N",
                    help="dtype gguf's Q4_K linears on the group and the Q8_K activation rule, N prefills of each")
     p.add_argument("--prompt-copy", type=int, default=0, metavar="N",
@@ -362,6 +382,8 @@ def main(argv=None) -> None:
         kernel([int(r) for r in args.rows.split(",")], args.head)
     elif args.amx:
         amx_pairs(args.model, args.amx)
+    elif args.paired:
+        paired_pairs(args.model, args.paired)
     elif args.q8k:
         q8k_pairs(args.model, args.q8k)
     elif args.prompt_copy:

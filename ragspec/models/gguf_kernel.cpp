@@ -69,6 +69,14 @@ inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 #endif
 
+// AVX2 without VNNI adds two chunks' pair sums in int16 before widening (dot_acc2 below)
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
+constexpr bool PAIRED = true;
+#else
+constexpr bool PAIRED = false;
+#endif
+std::atomic<int> paired_mode{2};  // chunks per widening 1 (0), 2 (1), up to 4 (2); the paired op switches it
+
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -79,6 +87,25 @@ inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
   // u8 x s8 pairs summed to int16 (|u| <= 128, |s| <= 127: never saturates), then pairs to int32
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
+}
+
+// Two chunks into one accumulator. Without VNNI their u8 x s8 pair sums are added in int16 before one widening
+// (vpmaddwd): exact while the four products of a lane stay under 2^15, so for weights of at most 6 bits (q <= 63:
+// 4 * 63 * 127 = 32004), not for s8. On a Zen 3 core this form does 106-132 GOP/s in registers, the one-chunk
+// form 59-74 (vpmaddubsw and vpmaddwd share a unit there).
+// (VNNI builds keep one chunk per instruction: vpdpbusd widens as it adds.)
+inline __m256i dot_acc2(__m256i acc, __m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+// Four chunks into one accumulator likewise (weights of at most 5 bits: 8 * 31 * 127 = 31496 < 2^15).
+inline __m256i dot_acc4(__m256i acc, const __m256i* u, const int32_t* x) {
+  const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(u[0], _mm256_set1_epi32(x[0])),
+                                       _mm256_maddubs_epi16(u[1], _mm256_set1_epi32(x[1])));
+  const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(u[2], _mm256_set1_epi32(x[2])),
+                                       _mm256_maddubs_epi16(u[3], _mm256_set1_epi32(x[3])));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(p01, p23), _mm256_set1_epi16(1)));
 }
 
 inline __m256i bits_to_bytes(uint32_t bits) {
@@ -102,6 +129,9 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
   __m256 acc[R], macc[R];
   __m256i tsum[R];  // u4k8: the super-block's integer sum so far
   for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_ps(), tsum[r] = _mm256_setzero_si256();
+  // chunks per widening: 1, 2, or 4 where weights have at most 5 bits; the same bits whichever
+  const int mode = FMT != 2 && PAIRED ? paired_mode.load(std::memory_order_relaxed) : 0;
+  const bool two = mode == 1 || (mode == 2 && FMT == 3), four = mode == 2 && FMT != 3;
   for (int64_t g = 0; g < G; ++g) {
     __m256i u[8], sg[8];
     if constexpr (FMT == 2) {
@@ -157,16 +187,41 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
     __m256i isum[A][R];
     for (int a = 0; a < A; ++a)
       for (int r = 0; r < R; ++r) isum[a][r] = _mm256_setzero_si256();
+    if (!two && !four) {  // s8 one chunk at a time: its pair sums need the whole int16 range
 #pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) {
-      const int a = FMT == 3 ? c / 4 : c % A;
+      for (int c = 0; c < 8; ++c) {
+        const int a = FMT == 3 ? c / 4 : c % A;
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, xq + r * K + g * GROUP + 4 * c, 4);
-        __m256i xb = _mm256_set1_epi32(four);
-        if constexpr (FMT == 2) xb = _mm256_sign_epi8(xb, sg[c]);
-        isum[a][r] = dot_acc(isum[a][r], u[c], xb);
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, xq + r * K + g * GROUP + 4 * c, 4);
+          __m256i xb = _mm256_set1_epi32(four);
+          if constexpr (FMT == 2) xb = _mm256_sign_epi8(xb, sg[c]);
+          isum[a][r] = dot_acc(isum[a][r], u[c], xb);
+        }
+      }
+    } else if (four) {  // u4, u5, u4k: eight products per lane, at most 8 * 31 * 127 = 31496
+#pragma GCC unroll 2
+      for (int c = 0; c < 8; c += 4) {
+        const int a = (c / 4) % A;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t f[4];
+          std::memcpy(f, xq + r * K + g * GROUP + 4 * c, 16);
+          isum[a][r] = dot_acc4(isum[a][r], u + c, f);
+        }
+      }
+    } else {  // chunks two by two (both in one half of a u6 group: c / 4 names the half)
+#pragma GCC unroll 4
+      for (int c = 0; c < 8; c += 2) {
+        const int a = FMT == 3 ? c / 4 : (c / 2) % A;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t four0, four1;
+          std::memcpy(&four0, xq + r * K + g * GROUP + 4 * c, 4);
+          std::memcpy(&four1, xq + r * K + g * GROUP + 4 * c + 4, 4);
+          isum[a][r] = dot_acc2(isum[a][r], u[c], _mm256_set1_epi32(four0), u[c + 1], _mm256_set1_epi32(four1));
+        }
       }
     }
 #pragma GCC unroll 8
@@ -1043,6 +1098,14 @@ int64_t amx_op(int64_t mode) {
 #endif
 }
 
+// AVX2 without VNNI: chunks one at a time (0), two by two (1), or four by four where weights have at most 5 bits
+// (2, the default); -1 unchanged; returns the mode in use (0 on builds that never pair). All give the same bits;
+// tests and benchmarks compare them in one process.
+int64_t paired_op(int64_t mode) {
+  if (mode >= 0) paired_mode.store(mode > 2 ? 2 : static_cast<int>(mode));
+  return PAIRED ? paired_mode.load() : 0;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ragspec_gguf, m) {
@@ -1054,6 +1117,7 @@ TORCH_LIBRARY(ragspec_gguf, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor g, Tensor u) -> Tensor");
   m.def("amx(int mode) -> int");
+  m.def("paired(int mode) -> int");
 }
 
 TORCH_LIBRARY_IMPL(ragspec_gguf, CPU, m) {
@@ -1067,4 +1131,5 @@ TORCH_LIBRARY_IMPL(ragspec_gguf, CPU, m) {
 
 TORCH_LIBRARY_IMPL(ragspec_gguf, CatchAll, m) {
   m.impl("amx", &amx_op);
+  m.impl("paired", &paired_op);
 }
