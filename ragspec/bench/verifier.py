@@ -363,7 +363,7 @@ def main(argv=None) -> None:
     p.add_argument("--amx", type=int, default=0, metavar="N",
                    help="dtype gguf with the AMX tiles off and on, N prefills of each in turn (then steps)")
     p.add_argument("--paired", type=int, default=0, metavar="N",
-                   help="dtype gguf on AVX2 without VNNI: chunks one at a time and two by two, N prefills of each")
+                   help="dtype gguf on AVX2 without VNNI: one chunk per widening and up to four, N prefills of each")
     p.add_argument("--q8k", type=int, default=0, metavar="N",
                    help="dtype gguf's Q4_K linears on the group and the Q8_K activation rule, N prefills of each")
     p.add_argument("--prompt-copy", type=int, default=0, metavar="N",
