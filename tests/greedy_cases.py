@@ -28,7 +28,12 @@ def chat_prompt(tokenizer, passage: str, question: str) -> list[int]:
 
 
 def reference(model, prompt: list[int], max_new: int, eos: list[int]) -> list[int]:
+    """Plain greedy decoding of `model`, its prompt read as the backends read it (`generate_kwargs`: in their
+    chunks; by prompt forwards, for a model that reads prompts by role)."""
+    from ragspec.decoding.backends.transformers import generate_kwargs
+
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new, eos_token_id=eos,
-                             pad_token_id=eos[0], attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+                             pad_token_id=eos[0], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             **generate_kwargs(model, prompt))
     return out[0, len(prompt):].tolist()

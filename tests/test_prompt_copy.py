@@ -15,7 +15,7 @@ from ragspec.decoding.backends.transformers import generate_kwargs
 from ragspec.decoding.budget import AdaptiveBudget, CostModel
 from ragspec.decoding.drafters import make_drafter
 from ragspec.decoding.generate import SpeculativeGenerator
-from ragspec.decoding.prompt_mode import prompt_copy, prompt_forward
+from ragspec.decoding.prompt_mode import prompt_copy, prompt_forward, reads_by_role
 from ragspec.errors import RagspecError
 from ragspec.models import gguf_linear
 from ragspec.models.fused_layers import FusedMLP
@@ -106,13 +106,16 @@ def test_steps_never_read_the_copy(copied, plain):
             assert not torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
 
 
-def test_a_prompt_position_is_the_same_however_the_prompt_is_read(copied):
-    """Whole, or in chunks of 7 and the rest, or one row at a time: the same keys, values and logits."""
+@pytest.mark.parametrize("which", ["copied", "plain"])
+def test_a_prompt_position_is_the_same_however_the_prompt_is_read(which, request):
+    """Whole, or in chunks of 7 and the rest, or one row at a time: the same keys, values and logits, with the
+    int8 copy and without it (prompt attention alone reads prompt rows otherwise than steps)."""
     from transformers import DynamicCache
 
     from ragspec.decoding.backends.transformers import cache_arg
 
-    model, tok = copied
+    model, tok = request.getfixturevalue(which)
+    assert reads_by_role(model)
     prompt = chat_prompt(tok, PASSAGES[1], QUESTIONS[1][0])[:60]
 
     def read(cuts):

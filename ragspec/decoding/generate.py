@@ -12,7 +12,7 @@ from ragspec.decoding.backends import make_backend
 from ragspec.decoding.backends.base import check_cancel
 from ragspec.decoding.budget import AdaptiveBudget, settle
 from ragspec.decoding.drafters.base import Drafter, DraftState, NoDraft, Segment
-from ragspec.decoding.prompt_mode import prompt_copy
+from ragspec.decoding.prompt_mode import reads_by_role
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.stream import IncrementalDecoder
 from ragspec.decoding.tree import DraftTree
@@ -96,9 +96,9 @@ class SpeculativeGenerator:
         try:
             yield from self._loop(verifier, prompt_ids, segments, stats, heads, prefix, cancel, on_progress, sources)
             if prefix is not None:
-                # with a prompt copy, positions from the prompt's last token on were read by the step weights,
-                # where a later prompt holding them reads them with the copy: only those before it are kept
-                kept = min(verifier.cached, len(prompt_ids) - 1) if prompt_copy(self.model) else verifier.cached
+                # a model that reads prompts by role read the positions from the prompt's last token on as steps,
+                # where a later prompt holding them reads them as prompt: only those before it are kept
+                kept = min(verifier.cached, len(prompt_ids) - 1) if reads_by_role(self.model) else verifier.cached
                 prefix.save(list(prompt_ids) + self.tokens, verifier.cache, kept)
         finally:
             verifier.close()

@@ -19,7 +19,7 @@ A model whose config has `ragspec_native_attention` (dtype gguf, whose C++ kerne
 `attention_kernel.cpp` instead: float32 with every sum in a fixed order, one task per query row and key/value head
 reading the float32 cache in place (its query heads together, block by block), so a row's result is the same bits
 however rows are batched by construction, and no step converts the whole cache to float64. A model that reads its
-prompts with a prompt copy (`ragspec_prompt_attention`: dtype gguf's int8 copy) runs the rows of its prompt
+prompts by role (`ragspec_prompt_attention`: dtype gguf but with the bf16 copy) runs the rows of its prompt
 forwards (`decoding/prompt_mode.py`) in `prompt_attention.cpp`: as row-independent, in GEMM-shaped tiles (prompt
 positions are never read as steps there, so their arithmetic may differ from a step's).
 """

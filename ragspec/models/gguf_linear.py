@@ -14,8 +14,10 @@ and mins then apply in integers, and its float work is two operations per 256 in
 
 Reading a prompt is another matter: hundreds of rows reuse every weight, so the bound is arithmetic, not bytes.
 RAGSPEC_GGUF_PROMPT picks a second copy of the weights for it; unset, a model's measured setting does (registry
-`prompt_copy`: the 0.5B's and the 1.5B's int8, answers within one standard error), and other models run every
-forward on the integer kernel:
+`prompt_copy`: the 0.5B's and the 1.5B's int8, answers within one standard error), and other models (and these
+where there are no int8 units: an AVX2-only CPU) read prompts on the integer kernel too. Without the bf16 copy,
+the forwards the backends mark as reading prompt positions (`decoding/prompt_mode.py`) run their attention in
+`prompt_attention.cpp` (GEMM-shaped tiles: a prompt position is never read as a step):
 - `int8`, where `torch._int_mm` runs on int8 units (VNNI/AMX): each linear but lm_head keeps its de-quantized
   weights re-quantized to int8 per output channel (`int8_linear.Int8Linear`: activations int8 per row, exact
   int32 sums), used by the forwards the backends mark as reading prompt positions (`decoding/prompt_mode.py`),
@@ -224,11 +226,14 @@ def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | str | No
     if not done:
         raise RagspecError(f"generator dtype gguf: no linear of {gguf_file} matched the model")
     model.ragspec_gguf = done  # the t(n) cost key's kernels part: kernels_key, once the MLPs are fused
-    model.ragspec_prompt_copy = "int8" if kind == "int8" else None  # the backends mark its prompt forwards
+    model.ragspec_prompt_copy = "int8" if kind == "int8" else None
+    # the backends mark its prompt forwards, whose attention runs prompt_attention.cpp (but with the bf16 copy,
+    # chosen by row count)
+    model.ragspec_prompt_role = kind != "bf16"
     from ragspec.models.exact_attention import model_configs
 
     for cfg in model_configs(model):  # its prompt rows' attention: exact_attention.py
-        cfg.ragspec_prompt_attention = kind == "int8"
+        cfg.ragspec_prompt_attention = kind != "bf16"
     return done
 
 

@@ -1,11 +1,11 @@
-// Attention for prompt rows read with dtype gguf's int8 prompt copy (ragspec/decoding/prompt_mode.py): softmax(q·kᵀ
-// ·scale + mask)·v in float32, each row computed from that row alone, as a GEMM-shaped loop.
-// Built with the GGUF kernels by ragspec/models/gguf_kernel.py.
+// Attention for dtype gguf's prompt rows (the forwards ragspec/decoding/prompt_mode.py marks, with or without the
+// int8 prompt copy): softmax(q·kᵀ·scale + mask)·v in float32, each row computed from that row alone, as a
+// GEMM-shaped loop. Built with the GGUF kernels by ragspec/models/gguf_kernel.py.
 //
 // Why a second kernel: attention_kernel.cpp computes one query row at a time (a dot product per key, reduced across
-// lanes), right for a step's few rows, and a 1,024-token prompt of the 0.5B spent 30 % of its prefill there. A
-// prompt position is only ever read as a prompt position (a model with the copy reads the prompt's last token, and
-// every answer token, as steps), so prompt rows may use other arithmetic than steps as long as a row's bits do not
+// lanes), right for a step's few rows, and a 1,024-token prompt of the 0.5B spent 22-30 % of its prefill there. A
+// prompt position is only ever read as a prompt position (such a model reads the prompt's last token, and every
+// answer token, as steps), so prompt rows may use other arithmetic than steps as long as a row's bits do not
 // depend on the rows or keys beside it. Here they do not, by construction:
 //   score(i, j) = fma chain over d = 0 .. D-1 in order, from 0, times scale, plus the mask;
 //   the maximum is exact in any order; exp(score - max) is elementwise, 0 below EXP_MIN (hidden keys);
@@ -16,8 +16,9 @@
 // of queries by 16 keys for the scores, rows by 64 outputs for the values) only decide which rows run together.
 //
 // Shapes as attention_kernel.cpp: q [B, H, Q, D] float32, k and v [B, Hkv, K, D] float32 (rows contiguous), mask
-// [B, 1|H, Q, >=K] additive float32 or empty; D a multiple of 16. Output [B, Q, H, D] float32. The AVX-512 loops and
-// the scalar ones below compute the same bits (the same fused multiply-adds, the same order).
+// [B, 1|H, Q, >=K] additive float32 or empty; D a multiple of 16. Output [B, Q, H, D] float32. The AVX-512 loops,
+// the AVX2 ones (a 16-lane vector as two halves) and the scalar ones compute the same bits (the same fused
+// multiply-adds, the same order).
 #include <ATen/core/Tensor.h>  // not ATen/ATen.h: a third less to compile on a first ask
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -39,8 +40,16 @@
 namespace {
 
 constexpr int64_t ROWS = 8;  // query rows per task (times the heads sharing a key/value head)
+#if defined(__AVX512F__) || !(defined(__AVX2__) && defined(__FMA__))
 constexpr int SCORE_QV = 8;  // query vectors per score tile (16 keys each)
 constexpr int VALUE_QV = 6;  // query vectors per value tile (64 outputs each: 24 accumulators)
+constexpr int64_t VALUE_KEYS = INT64_MAX;  // keys per value block: all at once
+#else
+#define RAGSPEC_PROMPT_AVX2 1  // 16 registers of 8 lanes: 16 keys are two halves, 64 outputs two passes of 32
+constexpr int SCORE_QV = 8;  // 8 accumulators (one half of the 16 keys at a time)
+constexpr int VALUE_QV = 2;  // 8 accumulators and the 4 value vectors in registers
+constexpr int64_t VALUE_KEYS = 32;  // 8 KB of values (D 64) per block: read from L1 by every tile of rows
+#endif
 constexpr float EXP_MIN = -87.0f;
 constexpr float HIDDEN = -FLT_MAX;
 
@@ -71,6 +80,47 @@ inline void score_tile(const float* const* qv, const float* const* mv, const flo
     _mm512_storeu_ps(s[r] + j0, x);
     top[r] = std::max(top[r], _mm512_reduce_max_ps(x));
   }
+#elif defined(RAGSPEC_PROMPT_AVX2)
+  __m256 x[2][n];  // keys j0 .. j0+7, then j0+8 .. j0+15: each lane the same chain as a 16-lane one
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[n];
+#pragma GCC unroll 8
+    for (int r = 0; r < n; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 kt = _mm256_loadu_ps(kT + j0 * D + d * 16 + 8 * h);
+#pragma GCC unroll 8
+      for (int r = 0; r < n; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(qv[r][d]), kt, acc[r]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < n; ++r) x[h][r] = _mm256_mul_ps(acc[r], _mm256_set1_ps(scaling));
+  }
+  const bool full = K - j0 >= 16;
+  for (int r = 0; r < n; ++r) {
+    __m256 x0 = x[0][r], x1 = x[1][r];
+    if (full) {
+      if (mv[r]) {
+        x0 = _mm256_add_ps(x0, _mm256_loadu_ps(mv[r] + j0));
+        x1 = _mm256_add_ps(x1, _mm256_loadu_ps(mv[r] + j0 + 8));
+      }
+      _mm256_storeu_ps(s[r] + j0, x0);
+      _mm256_storeu_ps(s[r] + j0 + 8, x1);
+      alignas(32) float m[8];
+      _mm256_store_ps(m, _mm256_max_ps(x0, x1));
+      for (int l = 0; l < 8; ++l) top[r] = std::max(top[r], m[l]);
+      continue;
+    }
+    alignas(32) float t[16];  // the last keys: those at or past K hidden
+    _mm256_store_ps(t, x0);
+    _mm256_store_ps(t + 8, x1);
+    for (int64_t l = 0; l < 16; ++l) {
+      const int64_t j = j0 + l;
+      float y = t[l];
+      if (j >= K) y = HIDDEN;
+      else if (mv[r]) y = y + mv[r][j];
+      s[r][j] = y;
+      top[r] = std::max(top[r], y);
+    }
+  }
 #else
   for (int r = 0; r < n; ++r) {
     for (int64_t l = 0; l < 16; ++l) {
@@ -100,6 +150,17 @@ inline float softmax_row(float* s, int64_t kp, float top) {
     sum = _mm512_add_ps(sum, e);
   }
   _mm512_store_ps(lane, sum);
+#elif defined(RAGSPEC_PROMPT_AVX2)
+  __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // lanes 0-7 and 8-15 of the 16
+  for (int64_t j = 0; j < kp; j += 8) {
+    const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top));
+    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_MIN), _CMP_GE_OQ);
+    const __m256 e = _mm256_and_ps(live, ragspec_math::exp_in_range8(_mm256_and_ps(live, x)));
+    _mm256_storeu_ps(s + j, e);
+    sum[(j / 8) % 2] = _mm256_add_ps(sum[(j / 8) % 2], e);
+  }
+  _mm256_store_ps(lane, sum[0]);
+  _mm256_store_ps(lane + 8, sum[1]);
 #else
   for (int64_t j = 0; j < kp; ++j) {
     const float x = s[j] - top;
@@ -110,15 +171,18 @@ inline float softmax_row(float* s, int64_t kp, float top) {
   return tree16(lane);
 }
 
-// o[r][c .. c+63] = Σ_j p[r][j] · v[j][c .. c+63], keys in order (fused multiply-adds), then times inv[r]
+// o[r][c .. c+63] = Σ_j p[r][j] · v[j][c .. c+63], keys in order (fused multiply-adds), then times inv[r]. Keys
+// j0 .. j1-1 of them: a block past the first continues the sums the one before left in o (the same chain of
+// fused multiply-adds, held in memory between blocks), and the last (j1 == kend) scales them.
 template <int n>
-inline void value_tile(const float* const* p, const float* vb, int64_t vs, int64_t kend, int64_t c,
-                       const float* inv, float* const* o) {
+inline void value_tile(const float* const* p, const float* vb, int64_t vs, int64_t j0, int64_t j1, int64_t kend,
+                       int64_t c, const float* inv, float* const* o) {
+  const bool last = j1 == kend;
 #if defined(__AVX512F__)
   __m512 acc[n][4];
   for (int r = 0; r < n; ++r)
-    for (int u = 0; u < 4; ++u) acc[r][u] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < kend; ++j) {
+    for (int u = 0; u < 4; ++u) acc[r][u] = j0 ? _mm512_loadu_ps(o[r] + c + 16 * u) : _mm512_setzero_ps();
+  for (int64_t j = j0; j < j1; ++j) {
     const float* vr = vb + j * vs + c;
     const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
     const __m512 v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
@@ -132,13 +196,35 @@ inline void value_tile(const float* const* p, const float* vb, int64_t vs, int64
   }
   for (int r = 0; r < n; ++r)
     for (int u = 0; u < 4; ++u)
-      _mm512_storeu_ps(o[r] + c + 16 * u, _mm512_mul_ps(acc[r][u], _mm512_set1_ps(inv[r])));
+      _mm512_storeu_ps(o[r] + c + 16 * u, last ? _mm512_mul_ps(acc[r][u], _mm512_set1_ps(inv[r])) : acc[r][u]);
+#elif defined(RAGSPEC_PROMPT_AVX2)
+  for (int64_t h = c; h < c + 64; h += 32) {  // two passes of 32 outputs
+    __m256 acc[n][4];
+    for (int r = 0; r < n; ++r)
+      for (int u = 0; u < 4; ++u) acc[r][u] = j0 ? _mm256_loadu_ps(o[r] + h + 8 * u) : _mm256_setzero_ps();
+    for (int64_t j = j0; j < j1; ++j) {
+      const float* vr = vb + j * vs + h;
+      const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+      const __m256 v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
+      for (int r = 0; r < n; ++r) {
+        const __m256 pr = _mm256_set1_ps(p[r][j]);
+        acc[r][0] = _mm256_fmadd_ps(pr, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(pr, v1, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(pr, v2, acc[r][2]);
+        acc[r][3] = _mm256_fmadd_ps(pr, v3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < n; ++r)
+      for (int u = 0; u < 4; ++u)
+        _mm256_storeu_ps(o[r] + h + 8 * u, last ? _mm256_mul_ps(acc[r][u], _mm256_set1_ps(inv[r])) : acc[r][u]);
+  }
 #else
   for (int r = 0; r < n; ++r) {
-    float acc[64] = {};
-    for (int64_t j = 0; j < kend; ++j)
+    float acc[64];
+    for (int u = 0; u < 64; ++u) acc[u] = j0 ? o[r][c + u] : 0.0f;
+    for (int64_t j = j0; j < j1; ++j)
       for (int u = 0; u < 64; ++u) acc[u] = std::fmaf(p[r][j], vb[j * vs + c + u], acc[u]);
-    for (int u = 0; u < 64; ++u) o[r][c + u] = acc[u] * inv[r];
+    for (int u = 0; u < 64; ++u) o[r][c + u] = last ? acc[u] * inv[r] : acc[u];
   }
 #endif
 }
@@ -153,8 +239,8 @@ inline void score_tiles(int n, std::integer_sequence<int, N...>, const float* co
 
 template <int... N>
 inline void value_tiles(int n, std::integer_sequence<int, N...>, const float* const* p, const float* vb, int64_t vs,
-                        int64_t kend, int64_t c, const float* inv, float* const* o) {
-  ((n == N + 1 ? value_tile<N + 1>(p, vb, vs, kend, c, inv, o) : void()), ...);
+                        int64_t j0, int64_t j1, int64_t kend, int64_t c, const float* inv, float* const* o) {
+  ((n == N + 1 ? value_tile<N + 1>(p, vb, vs, j0, j1, kend, c, inv, o) : void()), ...);
 }
 
 // the value tile above takes 64 outputs at a time; a D of 16 or 48 runs its last 16-output groups here
@@ -254,9 +340,11 @@ at::Tensor prompt_attention(const at::Tensor& q_in, const at::Tensor& k, const a
       const float* vb = pv + b * vs0 + hk * vs1;
       int64_t c = 0;
       for (; c + 64 <= D; c += 64)
-        for (int64_t r0 = 0; r0 < n; r0 += VALUE_QV)
-          value_tiles(static_cast<int>(std::min<int64_t>(VALUE_QV, n - r0)), std::make_integer_sequence<int, VALUE_QV>(),
-                      sv.data() + r0, vb, vs2, kend, c, inv.data() + r0, ov.data() + r0);
+        for (int64_t j0 = 0; j0 < std::max<int64_t>(kend, 1); j0 += VALUE_KEYS)  // a block of values stays in L1
+          for (int64_t r0 = 0; r0 < n; r0 += VALUE_QV)
+            value_tiles(static_cast<int>(std::min<int64_t>(VALUE_QV, n - r0)), std::make_integer_sequence<int, VALUE_QV>(),
+                        sv.data() + r0, vb, vs2, j0, std::min(kend, j0 + VALUE_KEYS), kend, c, inv.data() + r0,
+                        ov.data() + r0);
       for (int64_t r = 0; c < D && r < n; ++r) value_tail(sv[r], vb, vs2, kend, c, D, inv[r], ov[r]);
     }
   });

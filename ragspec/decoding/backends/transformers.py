@@ -17,7 +17,7 @@ from ragspec.decoding.backends.accept import accept_greedy, accept_sampled, new_
 from ragspec.decoding.backends.base import PREFILL_CHUNK, StepResult, check_cancel, chunks
 from ragspec.decoding.backends.growing_cache import growing, stand_in_context
 from ragspec.decoding.budget import measured_enough
-from ragspec.decoding.prompt_mode import prompt_copy, prompt_forward
+from ragspec.decoding.prompt_mode import prompt_forward, reads_by_role
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.tree import DraftTree
 
@@ -39,9 +39,9 @@ def cache_arg(model, cache) -> dict:
 
 def generate_kwargs(model, prompt_ids: list[int]) -> dict:
     """What HF `generate` needs to read a prompt as the backend does, for plain greedy references: prefilled in
-    the backend's chunks, and for a model with a prompt copy every position but the last read by prompt forwards
-    (`prompt_mode.py`) into the cache `generate` then continues from."""
-    if prompt_copy(model) is None:
+    the backend's chunks, and for a model that reads prompts by role every position but the last read by prompt
+    forwards (`prompt_mode.py`) into the cache `generate` then continues from."""
+    if not reads_by_role(model):
         return {"prefill_chunk_size": PREFILL_CHUNK}
     from transformers import DynamicCache
 
@@ -109,8 +109,9 @@ class TransformersBackend:
         self._root_logits = None
         whole = self.hidden_layer is None and not self.attention_heads  # the root is cached too
         split = len(prompt_ids) - 2 if self.attention_heads and len(prompt_ids) > 2 else len(prompt_ids) - 1
-        # a model with a prompt copy reads the root with its step weights: alone, after the prompt's chunks
-        root_alone = whole and prompt_copy(self.model) is not None
+        # a model that reads prompts by role (a weight copy, prompt attention) reads the root as a step: alone,
+        # after the prompt's chunks
+        root_alone = whole and reads_by_role(self.model)
         split = len(prompt_ids) if whole and not root_alone else split
         if prefix is not None and whole:
             # at least the root is computed here: its logits are the first step's
