@@ -169,6 +169,29 @@ def test_paired_integer_sums_give_the_same_bits():
         ops.paired(2)
 
 
+def test_blocks_unpacked_once_give_the_same_bits():
+    """Without AVX-512 the kernel unpacks u5 and u6 blocks once per call for every tile of rows (from two tiles):
+    the same bytes as unpacked tile by tile, so the same bits, whole and in its fused MLP."""
+    from ragspec.models.gguf_kernel import load_kernels
+
+    ops = load_kernels()
+    if not ops.unpacked(-1):
+        pytest.skip("this build unpacks per tile (AVX-512 byte masks, or no AVX2)")
+    try:
+        with torch.inference_mode():
+            for fmt in ("u5", "u6"):
+                lin = random_linear(fmt, 136, 768, seed=7, top=fmt == "u6")
+                x = torch.randn(37, 768, generator=torch.Generator().manual_seed(4))
+                out = []
+                for mode in (0, 1):
+                    ops.unpacked(mode)
+                    out.append(lin(x))
+                assert torch.equal(out[0], out[1]), fmt
+                assert all(torch.equal(lin(x[i:i + 1]), out[1][i:i + 1]) for i in (0, 8, 36))
+    finally:
+        ops.unpacked(1)
+
+
 def test_zero_rows_and_bad_shapes():
     lin = random_linear("u4", 16, 64)
     with torch.inference_mode():

@@ -11,14 +11,16 @@ figure. `--kernel` instead runs every linear of the 0.5B's shapes (random
 blocks, 24 layers as a step does; `--head` adds the 151,936-row head) through `ragspec_gguf::qmatmul` for each
 row count and prints ms and GOP/s. `--amx N` (CPUs with AMX) runs dtype gguf with the kernel's AMX tiles off and on
 in turn, prefills and steps, and prints the per-pair ratio and whether the logits were the same bits; `--paired N`
-(AVX2 without VNNI) likewise switches the integer dot between one chunk per widening and up to four. `--q8k N`
+(AVX2 without VNNI) likewise switches the integer dot between one chunk per widening and up to four, and
+`--unpacked N` (AVX2 without AVX-512) u5/u6 blocks between unpacked per tile of rows and once per call. `--q8k N`
 likewise switches the Q4_K linears between the group activation rule and llama.cpp's Q8_K rule (u4k8; other
 numerics, so it prints the largest logit difference too). `--prompt-copy N` switches every linear's prompt
 chunks between the integer kernel and the opt-in bf16 prompt copy (`RAGSPEC_GGUF_PROMPT`); oneDNN runs the copy
 with AMX only when `ONEDNN_MAX_CPU_ISA=AVX512_CORE_AMX` is set before the run (ragspec caps it otherwise).
 `--int8-prompt N` likewise switches prompt reads between the integer kernel and the int8 prompt copy
 (`RAGSPEC_GGUF_PROMPT=int8`), prefills only (steps never read the copy), and prints the copy's size.
-`--step-forward N` runs dtype gguf's steps (1, 4 and 16 rows over 1,024 tokens) on the module tree and on the lean
+`--prompt-kernels N` switches prompt rows between the step kernels and the prompt kernels (`prompt_attention.cpp`;
+with the int8 copy, `int8_rows.cpp` too). `--step-forward N` runs dtype gguf's steps (1, 4 and 16 rows over 1,024 tokens) on the module tree and on the lean
 step loop (`models/step_forward.py`) in turn, N of each, and says whether the logits were the same bits.
 """
 
@@ -91,37 +93,38 @@ def interleaved(model: str, steps: int, sizes=(1, 16), context: int = 1024, paus
         llama.close()
 
 
-def amx_pairs(model: str, rounds: int) -> None:
-    """dtype gguf with the kernel's AMX tiles off and on (the same build, the same bits)."""
+def op_pairs(model: str, rounds: int, op: str, on: int, names: tuple[str, str], missing: str) -> None:
+    """dtype gguf with one of the kernel's runtime switches (`torch.ops.ragspec_gguf.<op>(mode)`: 0, then `on`),
+    alternated: the same build, the same bits; left at `on` after. `missing`: said where the switch is off here."""
     from ragspec.models.generator import load_generator
     from ragspec.models.gguf_kernel import load_kernels
 
-    ops = load_kernels()
-    if not ops.amx(-1):
-        print(json.dumps({"amx": "not on this CPU or build"}))
+    switch = getattr(load_kernels(), op)
+    if not switch(-1):
+        print(json.dumps({op: missing}))
         return
     hf, _ = load_generator(model, "cpu", "gguf")
     try:
-        switched_pairs(hf, rounds, ops.amx, ("off_ms", "amx_ms"))
+        switched_pairs(hf, rounds, lambda mode: switch(on if mode else 0), names)
     finally:
-        ops.amx(1)
+        switch(on)
+
+
+def amx_pairs(model: str, rounds: int) -> None:
+    """dtype gguf with the kernel's AMX tiles off and on."""
+    op_pairs(model, rounds, "amx", 1, ("off_ms", "amx_ms"), "not on this CPU or build")
 
 
 def paired_pairs(model: str, rounds: int) -> None:
-    """dtype gguf on an AVX2 CPU without VNNI with up to four chunks' products added in int16 before widening (1,
-    the kernel's default) and one chunk at a time (0): the same build, the same bits."""
-    from ragspec.models.generator import load_generator
-    from ragspec.models.gguf_kernel import load_kernels
+    """dtype gguf on an AVX2 CPU without VNNI with one chunk's products widened at a time (0) and up to four
+    chunks' added in int16 before widening (2, the kernel's default)."""
+    op_pairs(model, rounds, "paired", 2, ("single_ms", "paired_ms"), "not in this build (VNNI, or no AVX2)")
 
-    ops = load_kernels()
-    if not ops.paired(-1):
-        print(json.dumps({"paired": "not in this build (VNNI, or no AVX2)"}))
-        return
-    hf, _ = load_generator(model, "cpu", "gguf")
-    try:
-        switched_pairs(hf, rounds, lambda on: ops.paired(2 if on else 0), ("single_ms", "paired_ms"))
-    finally:
-        ops.paired(2)
+
+def unpacked_pairs(model: str, rounds: int) -> None:
+    """dtype gguf on an AVX2 CPU without AVX-512 with u5/u6 blocks unpacked per tile of rows (0) and once per call
+    (1, the kernel's default)."""
+    op_pairs(model, rounds, "unpacked", 1, ("per_tile_ms", "once_ms"), "not in this build (AVX-512, or no AVX2)")
 
 
 def q8k_pairs(model: str, rounds: int) -> None:
@@ -209,9 +212,10 @@ def int8_prompt_pairs(model: str, rounds: int) -> None:
 
 
 def prompt_kernel_pairs(model: str, rounds: int) -> None:
-    """dtype gguf with the int8 prompt copy, prompts read (`prompt_mode.prompt_forward`) with the copy's rows on
-    the step kernels and PyTorch's per-row passes (0) and on `prompt_attention.cpp` and `int8_rows.cpp` (1). The
-    attention's arithmetic differs, so the logits do too: the largest difference is printed."""
+    """dtype gguf, prompts read (`prompt_mode.prompt_forward`) on the step kernels (0) and on
+    `prompt_attention.cpp` (1); with the int8 prompt copy (where there are int8 units), its rows on PyTorch's
+    per-row passes (0) and `int8_rows.cpp` (1) too. The attention's arithmetic differs, so the logits do too: the
+    largest difference is printed."""
     import os
     from unittest import mock
 
@@ -223,9 +227,7 @@ def prompt_kernel_pairs(model: str, rounds: int) -> None:
     with mock.patch.dict(os.environ, {"RAGSPEC_GGUF_PROMPT": "int8"}):
         hf, _ = load_generator(model, "cpu", "gguf")
     copies = [m.prompt_int8 for m in hf.modules() if isinstance(m, GGUFLinear) and m.prompt_int8 is not None]
-    if not copies:
-        raise SystemExit("no int8 prompt copy here: it needs int8 units (VNNI/AMX) that torch._int_mm runs on")
-    ops = copies[0].ops
+    ops = copies[0].ops if copies else None  # none without int8 units: the attention alone switches
     configs = model_configs(hf)
 
     def switch(mode):
@@ -364,6 +366,9 @@ def main(argv=None) -> None:
                    help="dtype gguf with the AMX tiles off and on, N prefills of each in turn (then steps)")
     p.add_argument("--paired", type=int, default=0, metavar="N",
                    help="dtype gguf on AVX2 without VNNI: one chunk per widening and up to four, N prefills of each")
+    p.add_argument("--unpacked", type=int, default=0, metavar="N",
+                   help="dtype gguf on AVX2 without AVX-512: u5/u6 blocks unpacked per tile of rows and once per "
+                        "call, N prefills of each")
     p.add_argument("--q8k", type=int, default=0, metavar="N",
                    help="dtype gguf's Q4_K linears on the group and the Q8_K activation rule, N prefills of each")
     p.add_argument("--prompt-copy", type=int, default=0, metavar="N",
@@ -371,7 +376,8 @@ def main(argv=None) -> None:
     p.add_argument("--int8-prompt", type=int, default=0, metavar="N",
                    help="dtype gguf's prompts on the integer kernel and on the int8 prompt copy, N of each")
     p.add_argument("--prompt-kernels", type=int, default=0, metavar="N",
-                   help="the int8 prompt copy's rows on the step kernels and on the prompt kernels, N of each")
+                   help="dtype gguf's prompt rows on the step kernels and on the prompt kernels (attention; the "
+                        "int8 copy's steps where it runs), N of each")
     p.add_argument("--step-forward", type=int, default=0, metavar="N",
                    help="dtype gguf's steps on the module tree and on the lean step loop, N of each")
     args = p.parse_args(argv)
@@ -384,6 +390,8 @@ def main(argv=None) -> None:
         amx_pairs(args.model, args.amx)
     elif args.paired:
         paired_pairs(args.model, args.paired)
+    elif args.unpacked:
+        unpacked_pairs(args.model, args.unpacked)
     elif args.q8k:
         q8k_pairs(args.model, args.q8k)
     elif args.prompt_copy:

@@ -76,6 +76,7 @@ constexpr bool PAIRED = true;
 constexpr bool PAIRED = false;
 #endif
 std::atomic<int> paired_mode{2};  // chunks per widening 1 (0), 2 (1), up to 4 (2); the paired op switches it
+std::atomic<int> unpacked_mode{1};  // u5/u6 blocks unpacked once per call on AVX2 builds (1) or per tile (0)
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
@@ -122,8 +123,51 @@ inline __m256i bits_to_bytes(uint32_t bits) {
 #endif
 }
 
-// y[r][8b .. 8b+8) for R rows of one block of 8 outputs. d, mn and hs as the format says (see the top).
-template <int FMT, int R>
+// Group g of a block's weights as 8 chunks of 32 unsigned bytes u[c] (s8: |w|, its signs in sg[c]).
+template <int FMT>
+inline void unpack_group(int64_t g, const uint8_t* w, const uint8_t* wh, __m256i* u, __m256i* sg) {
+  if constexpr (FMT == 2) {
+    for (int c = 0; c < 8; ++c) {
+      sg[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 256 + 32 * c));
+      u[c] = _mm256_sign_epi8(sg[c], sg[c]);  // |w| as unsigned bytes; the sign moves onto x
+    }
+  } else {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 128 + 32 * c));
+      u[c] = _mm256_and_si256(b, low);
+      u[c + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+    }
+    if constexpr (FMT == 1) {
+      const uint32_t* hb = reinterpret_cast<const uint32_t*>(wh + g * 32);
+      for (int c = 0; c < 8; ++c) u[c] = _mm256_or_si256(u[c], bits_to_bytes(hb[c]));
+    }
+    if constexpr (FMT == 3) {  // bits 2k..2k+1 of each byte to bits 4-5: shifts in 16-bit lanes, then a mask
+      const __m256i two = _mm256_set1_epi8(0x30);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh + g * 64 + 32 * h));
+        u[4 * h + 0] = _mm256_or_si256(u[4 * h + 0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), two));
+        u[4 * h + 1] = _mm256_or_si256(u[4 * h + 1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), two));
+        u[4 * h + 2] = _mm256_or_si256(u[4 * h + 2], _mm256_and_si256(hv, two));
+        u[4 * h + 3] = _mm256_or_si256(u[4 * h + 3], _mm256_and_si256(_mm256_srli_epi16(hv, 2), two));
+      }
+    }
+  }
+}
+
+// A block's G groups unpacked into out (G * 256 bytes: chunk c of group g at 256g + 32c), for block<..., true>.
+template <int FMT>
+void unpack_blocks(int64_t G, const uint8_t* w, const uint8_t* wh, uint8_t* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i u[8], sg[8];
+    unpack_group<FMT>(g, w, wh, u, sg);
+    for (int c = 0; c < 8; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * 256 + 32 * c), u[c]);
+  }
+}
+
+// y[r][8b .. 8b+8) for R rows of one block of 8 outputs. d, mn and hs as the format says (see the top). UNPACKED:
+// w holds the block's groups already unpacked (256 bytes each, unpack_blocks), for u5 and u6.
+template <int FMT, int R, bool UNPACKED = false>
 void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const int32_t* hs, int64_t K,
            const uint8_t* w, const uint8_t* wh, const uint16_t* d, const uint8_t* mn, float* y, int64_t N) {
   __m256 acc[R], macc[R];
@@ -134,32 +178,10 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
   const bool two = mode == 1 || (mode == 2 && FMT == 3), four = mode == 2 && FMT != 3;
   for (int64_t g = 0; g < G; ++g) {
     __m256i u[8], sg[8];
-    if constexpr (FMT == 2) {
-      for (int c = 0; c < 8; ++c) {
-        sg[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 256 + 32 * c));
-        u[c] = _mm256_sign_epi8(sg[c], sg[c]);  // |w| as unsigned bytes; the sign moves onto x
-      }
+    if constexpr (UNPACKED) {  // unpacked once for every tile of rows (unpack_blocks)
+      for (int c = 0; c < 8; ++c) u[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 256 + 32 * c));
     } else {
-      const __m256i low = _mm256_set1_epi8(0x0F);
-      for (int c = 0; c < 4; ++c) {
-        __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 128 + 32 * c));
-        u[c] = _mm256_and_si256(b, low);
-        u[c + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-      }
-      if constexpr (FMT == 1) {
-        const uint32_t* hb = reinterpret_cast<const uint32_t*>(wh + g * 32);
-        for (int c = 0; c < 8; ++c) u[c] = _mm256_or_si256(u[c], bits_to_bytes(hb[c]));
-      }
-      if constexpr (FMT == 3) {  // bits 2k..2k+1 of each byte to bits 4-5: shifts in 16-bit lanes, then a mask
-        const __m256i two = _mm256_set1_epi8(0x30);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh + g * 64 + 32 * h));
-          u[4 * h + 0] = _mm256_or_si256(u[4 * h + 0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), two));
-          u[4 * h + 1] = _mm256_or_si256(u[4 * h + 1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), two));
-          u[4 * h + 2] = _mm256_or_si256(u[4 * h + 2], _mm256_and_si256(hv, two));
-          u[4 * h + 3] = _mm256_or_si256(u[4 * h + 3], _mm256_and_si256(_mm256_srli_epi16(hv, 2), two));
-        }
-      }
+      unpack_group<FMT>(g, w, wh, u, sg);
     }
     __m256 dv, mv = _mm256_setzero_ps();
     __m256i sc0, sc1;
@@ -904,6 +926,41 @@ void run_blocks(const Blocks& W, const int8_t* px, const float* psx, const float
     m0 = M16;
   }
 #endif
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && !defined(__AVX512VL__)
+  // u5 and u6 where AVX-512's byte masks are missing (their high bits cost 5-6 instructions a chunk to unpack):
+  // the blocks unpacked once, then read as bytes by every tile of rows. The same bytes, so the same bits.
+  if ((W.fmt == 1 || W.fmt == 3) && M - m0 >= 2 * MT && unpacked_mode.load(std::memory_order_relaxed)) {
+    thread_local std::vector<uint8_t> scratch;
+    const int64_t per = G * 256;
+    if (static_cast<int64_t>(scratch.size()) < (bend - b0) * per) scratch.resize((bend - b0) * per);
+    for (int64_t b = b0; b < bend; ++b) {
+      uint8_t* out = scratch.data() + (b - b0) * per;
+      if (W.fmt == 1) unpack_blocks<1>(G, W.w + b * W.wblock, W.wh + b * W.hblock, out);
+      else unpack_blocks<3>(G, W.w + b * W.wblock, W.wh + b * W.hblock, out);
+    }
+    for (; m0 < M; m0 += MT) {
+      const int rows = static_cast<int>(std::min<int64_t>(MT, M - m0));
+      for (int64_t b = b0; b < bend; ++b) {
+        const uint8_t* wb = scratch.data() + (b - b0) * per;
+        const uint16_t* db = W.d + b * W.dblock;
+        const uint8_t* mb = W.mn + b * W.mblock;
+        const int8_t* x0 = px + m0 * K;
+        const float* s0 = psx + m0 * SG;
+        const float* t0 = pxs + m0 * SG;
+        const int32_t* h0 = hs ? hs + m0 * G * 2 : nullptr;
+        float* y0 = y + m0 * ldy + 8 * (b - b0);
+        switch (W.fmt * 8 + rows) {
+#define RAGSPEC_UNPACKED(F, R) \
+  case F * 8 + R: block<F, R, true>(G, x0, s0, t0, h0, K, wb, nullptr, db, mb, y0, ldy); break;
+          RAGSPEC_UNPACKED(1, 1) RAGSPEC_UNPACKED(1, 2) RAGSPEC_UNPACKED(1, 3) RAGSPEC_UNPACKED(1, 4)
+          RAGSPEC_UNPACKED(3, 1) RAGSPEC_UNPACKED(3, 2) RAGSPEC_UNPACKED(3, 3) RAGSPEC_UNPACKED(3, 4)
+#undef RAGSPEC_UNPACKED
+        }
+      }
+    }
+    return;
+  }
+#endif
   for (; m0 < M; m0 += MT) {
     const int rows = static_cast<int>(std::min<int64_t>(MT, M - m0));
     for (int64_t b = b0; b < bend;) {
@@ -1106,6 +1163,17 @@ int64_t paired_op(int64_t mode) {
   return PAIRED ? paired_mode.load() : 0;
 }
 
+// AVX2 builds without AVX-512: u5 and u6 blocks unpacked once per call for every tile of rows (1, the default) or
+// per tile (0); -1 unchanged; returns the mode in use (0 on builds that never do). Both give the same bits.
+int64_t unpacked_op(int64_t mode) {
+  if (mode >= 0) unpacked_mode.store(mode ? 1 : 0);
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && !defined(__AVX512VL__)
+  return unpacked_mode.load();
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ragspec_gguf, m) {
@@ -1118,6 +1186,7 @@ TORCH_LIBRARY(ragspec_gguf, m) {
   m.def("silu_mul(Tensor g, Tensor u) -> Tensor");
   m.def("amx(int mode) -> int");
   m.def("paired(int mode) -> int");
+  m.def("unpacked(int mode) -> int");
 }
 
 TORCH_LIBRARY_IMPL(ragspec_gguf, CPU, m) {
@@ -1132,4 +1201,5 @@ TORCH_LIBRARY_IMPL(ragspec_gguf, CPU, m) {
 TORCH_LIBRARY_IMPL(ragspec_gguf, CatchAll, m) {
   m.impl("amx", &amx_op);
   m.impl("paired", &paired_op);
+  m.impl("unpacked", &unpacked_op);
 }
