@@ -926,46 +926,28 @@ void run_blocks(const Blocks& W, const int8_t* px, const float* psx, const float
     m0 = M16;
   }
 #endif
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && !defined(__AVX512VL__)
   // u5 and u6 where AVX-512's byte masks are missing (their high bits cost 5-6 instructions a chunk to unpack):
   // the blocks unpacked once, then read as bytes by every tile of rows. The same bytes, so the same bits.
+  const uint8_t* unpacked = nullptr;
+  int64_t per = 0;
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && !defined(__AVX512VL__)
   if ((W.fmt == 1 || W.fmt == 3) && M - m0 >= 2 * MT && unpacked_mode.load(std::memory_order_relaxed)) {
     thread_local std::vector<uint8_t> scratch;
-    const int64_t per = G * 256;
+    per = G * 256;
     if (static_cast<int64_t>(scratch.size()) < (bend - b0) * per) scratch.resize((bend - b0) * per);
     for (int64_t b = b0; b < bend; ++b) {
       uint8_t* out = scratch.data() + (b - b0) * per;
       if (W.fmt == 1) unpack_blocks<1>(G, W.w + b * W.wblock, W.wh + b * W.hblock, out);
       else unpack_blocks<3>(G, W.w + b * W.wblock, W.wh + b * W.hblock, out);
     }
-    for (; m0 < M; m0 += MT) {
-      const int rows = static_cast<int>(std::min<int64_t>(MT, M - m0));
-      for (int64_t b = b0; b < bend; ++b) {
-        const uint8_t* wb = scratch.data() + (b - b0) * per;
-        const uint16_t* db = W.d + b * W.dblock;
-        const uint8_t* mb = W.mn + b * W.mblock;
-        const int8_t* x0 = px + m0 * K;
-        const float* s0 = psx + m0 * SG;
-        const float* t0 = pxs + m0 * SG;
-        const int32_t* h0 = hs ? hs + m0 * G * 2 : nullptr;
-        float* y0 = y + m0 * ldy + 8 * (b - b0);
-        switch (W.fmt * 8 + rows) {
-#define RAGSPEC_UNPACKED(F, R) \
-  case F * 8 + R: block<F, R, true>(G, x0, s0, t0, h0, K, wb, nullptr, db, mb, y0, ldy); break;
-          RAGSPEC_UNPACKED(1, 1) RAGSPEC_UNPACKED(1, 2) RAGSPEC_UNPACKED(1, 3) RAGSPEC_UNPACKED(1, 4)
-          RAGSPEC_UNPACKED(3, 1) RAGSPEC_UNPACKED(3, 2) RAGSPEC_UNPACKED(3, 3) RAGSPEC_UNPACKED(3, 4)
-#undef RAGSPEC_UNPACKED
-        }
-      }
-    }
-    return;
+    unpacked = scratch.data();
   }
 #endif
   for (; m0 < M; m0 += MT) {
     const int rows = static_cast<int>(std::min<int64_t>(MT, M - m0));
     for (int64_t b = b0; b < bend;) {
-      const uint8_t* wb = W.w + b * W.wblock;
-      const uint8_t* hb = W.wh ? W.wh + b * W.hblock : nullptr;
+      const uint8_t* wb = unpacked ? unpacked + (b - b0) * per : W.w + b * W.wblock;
+      const uint8_t* hb = W.wh && !unpacked ? W.wh + b * W.hblock : nullptr;
       const uint16_t* db = W.d + b * W.dblock;
       const uint8_t* mb = W.mn ? W.mn + b * W.mblock : nullptr;
       const int8_t* x0 = px + m0 * K;
@@ -980,7 +962,7 @@ void run_blocks(const Blocks& W, const int8_t* px, const float* psx, const float
 #else
       constexpr bool pair = false;
 #endif
-      switch (W.fmt * 32 + pair * 16 + rows) {
+      switch (W.fmt * 32 + pair * 16 + (unpacked ? 8 : 0) + rows) {  // 8 + rows: the unpacked bytes (rows <= MT = 4)
 #define RAGSPEC_CASE(F, R) \
   case F * 32 + R: block<F, R>(G, x0, s0, t0, h0, K, wb, hb, db, mb, y0, ldy); break;
 #define RAGSPEC_PAIR(F, R) \
@@ -997,6 +979,13 @@ void run_blocks(const Blocks& W, const int8_t* px, const float* psx, const float
 #endif
         RAGSPEC_ROWS(0) RAGSPEC_ROWS(1) RAGSPEC_ROWS(2) RAGSPEC_ROWS(3) RAGSPEC_ROWS(4) RAGSPEC_ROWS(5)
 #undef RAGSPEC_ROWS
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && !defined(__AVX512VL__)
+#define RAGSPEC_UNPACKED(F, R) \
+  case F * 32 + 8 + R: block<F, R, true>(G, x0, s0, t0, h0, K, wb, nullptr, db, mb, y0, ldy); break;
+        RAGSPEC_UNPACKED(1, 1) RAGSPEC_UNPACKED(1, 2) RAGSPEC_UNPACKED(1, 3) RAGSPEC_UNPACKED(1, 4)
+        RAGSPEC_UNPACKED(3, 1) RAGSPEC_UNPACKED(3, 2) RAGSPEC_UNPACKED(3, 3) RAGSPEC_UNPACKED(3, 4)
+#undef RAGSPEC_UNPACKED
+#endif
 #undef RAGSPEC_PAIR
 #undef RAGSPEC_CASE
       }
