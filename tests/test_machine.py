@@ -109,6 +109,26 @@ def test_guess_follows_the_flags():
     assert machine.guess([by["llama.cpp/gguf"], by["transformers/gguf"]], ZEN3).name == "transformers/gguf"
 
 
+def test_calibrate_off_takes_the_guess_and_measures_nothing(tmp_path, monkeypatch):
+    """RAGSPEC_CALIBRATE=off: no table here, so the flag-based guess is taken, nothing is measured, no job is
+    started and no table is written; a value it does not know is one error naming the three it does."""
+    from ragspec.models import calibration_job
+
+    pool = pool_here()
+    if len(pool) < 2:
+        pytest.skip("one candidate here: nothing to guess between")
+    monkeypatch.setenv("RAGSPEC_CALIBRATE", "off")
+    started = set(calibration_job._started)
+    lines = []
+    c = resolve(GeneratorSettings(model=SMOL), "cpu", 1000, 32, "suffix", progress=lines.append, cache_dir=tmp_path)
+    guessed = machine.guess(pool, machine.cpu_info())
+    assert c.guessed and c[:2] == (guessed.backend, guessed.dtype) and "RAGSPEC_CALIBRATE=off" in c.reason
+    assert calibration_job._started == started and not lines and not any(tmp_path.rglob("*.json"))
+    monkeypatch.setenv("RAGSPEC_CALIBRATE", "later")
+    with pytest.raises(RagspecError, match="'later' is not one of background, foreground, off"):
+        resolve(GeneratorSettings(model=SMOL), "cpu", 1000, 32, "suffix", cache_dir=tmp_path)
+
+
 def test_key_names_the_cpu_and_changes_with_threads():
     import torch
 
@@ -352,6 +372,7 @@ def test_a_contended_table_is_measured_again_three_tries_at_most(tmp_path, monke
     pool = pool_here("auto")
     if len(pool) < 2:
         pytest.skip("one candidate here: no table is read")
+    monkeypatch.setenv("RAGSPEC_CALIBRATE", "background")  # the default (the suite runs with off)
     path = machine.table_path(SMOL, tmp_path)
     rows = [row(c.backend, c.dtype, 100.0, [10.0, 11, 12, 13, 14]) | {"cpu_share": 0.5} for c in pool]
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,8 @@ of n tokens over a 1,024-token cache. The table is cached as JSON beside the dra
 Each candidate is measured in a child process: a native build that dies (SIGILL on a CPU it was not built
 for) or runs out of memory costs that candidate, recorded with why, never the caller. A pipeline on a machine
 with no table yet does not wait for it: it takes `guess` (from the CPU flags) and the table is measured by a
-detached job once the machine is quiet (`calibration_job.py`); `RAGSPEC_CALIBRATE=foreground` measures first.
+detached job once the machine is quiet (`calibration_job.py`); `RAGSPEC_CALIBRATE=foreground` measures first,
+`off` keeps the guess and measures nothing.
 """
 
 from __future__ import annotations
@@ -518,6 +519,20 @@ def choose(table: dict, prompt_tokens: int, answer_tokens: int, drafting_method:
     return Choice(best["backend"], best["dtype"], reason, round(best_s, 2))
 
 
+CALIBRATE_MODES = ("background", "foreground", "off")
+
+
+def calibrate_mode() -> str:
+    """RAGSPEC_CALIBRATE: where a machine with no table gets one. `background` (the default): a guess now, the
+    measurement in a detached job once the machine is quiet; `foreground`: measured before the first ask; `off`:
+    the guess, nothing measured (short-lived containers, the test suite: the guess is what every table measured
+    so far picks, with the same bits)."""
+    mode = os.environ.get("RAGSPEC_CALIBRATE", "background").strip().lower() or "background"
+    if mode not in CALIBRATE_MODES:
+        raise RagspecError(f"RAGSPEC_CALIBRATE '{mode}' is not one of {', '.join(CALIBRATE_MODES)}")
+    return mode
+
+
 def resolve(generator, device: str, prompt_tokens: int, answer_tokens: int, drafting_method: str,
             progress: Callable[[str], None] | None = None, cache_dir: Path | None = None,
             source_cache: bool = False) -> Choice:
@@ -553,9 +568,10 @@ def resolve(generator, device: str, prompt_tokens: int, answer_tokens: int, draf
     # the whole table (every candidate), so pipelines of other settings on this machine share one file
     path = table_path(generator.model, cache_dir, cpu)
     table = read_json(path)
-    if table is None and os.environ.get("RAGSPEC_CALIBRATE", "background") == "foreground":
+    mode = calibrate_mode()
+    if table is None and mode == "foreground":
         table = machine_table(generator.model, cache_dir=cache_dir, progress=progress)
-    if table is None or (table.get("contended") and table.get("tries", 1) < TRIES):
+    if mode != "off" and (table is None or (table.get("contended") and table.get("tries", 1) < TRIES)):
         from ragspec.models import calibration_job
 
         log = calibration_job.start(generator.model, path, cache_dir, again=table is not None)
@@ -566,6 +582,9 @@ def resolve(generator, device: str, prompt_tokens: int, answer_tokens: int, draf
     if table is None:
         c = guess(pool, cpu)
         flags = " ".join(cpu["flags"]) or "no AVX2"
+        if mode == "off":
+            return Choice(c.backend, c.dtype, f"a guess from the CPU flags ({flags}): RAGSPEC_CALIBRATE=off measures "
+                          "nothing (`ragspec models --calibrate` does)", guessed=True)
         return Choice(c.backend, c.dtype, f"a first guess from the CPU flags ({flags}) while this machine is "
                       "measured in the background; later loads, and this pipeline between asks, use the measurement",
                       guessed=True)
