@@ -23,6 +23,21 @@ WAIT_S = 900  # at most this long waiting for quiet; then the measurement runs a
 _started: set[str] = set()  # tables this process has started a job for
 
 
+MODES = ("background", "foreground", "off")
+
+
+def mode() -> str:
+    """RAGSPEC_CALIBRATE: where a machine with no table gets one. `background` (the default): a guess now, this
+    job once the machine is quiet; `foreground`: measured before the first ask; `off`: the guess, nothing
+    measured (short-lived containers, the test suite: the guess is what every table measured so far picks)."""
+    from ragspec.errors import RagspecError
+
+    value = os.environ.get("RAGSPEC_CALIBRATE", "background").strip().lower() or "background"
+    if value not in MODES:
+        raise RagspecError(f"RAGSPEC_CALIBRATE '{value}' is not one of {', '.join(MODES)}")
+    return value
+
+
 def busy_share(interval_s: float = 1.0) -> float | None:
     """The share of all CPUs busy over `interval_s` (from /proc/stat), or None where it cannot be read."""
 

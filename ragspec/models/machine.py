@@ -519,20 +519,6 @@ def choose(table: dict, prompt_tokens: int, answer_tokens: int, drafting_method:
     return Choice(best["backend"], best["dtype"], reason, round(best_s, 2))
 
 
-CALIBRATE_MODES = ("background", "foreground", "off")
-
-
-def calibrate_mode() -> str:
-    """RAGSPEC_CALIBRATE: where a machine with no table gets one. `background` (the default): a guess now, the
-    measurement in a detached job once the machine is quiet; `foreground`: measured before the first ask; `off`:
-    the guess, nothing measured (short-lived containers, the test suite: the guess is what every table measured
-    so far picks, with the same bits)."""
-    mode = os.environ.get("RAGSPEC_CALIBRATE", "background").strip().lower() or "background"
-    if mode not in CALIBRATE_MODES:
-        raise RagspecError(f"RAGSPEC_CALIBRATE '{mode}' is not one of {', '.join(CALIBRATE_MODES)}")
-    return mode
-
-
 def resolve(generator, device: str, prompt_tokens: int, answer_tokens: int, drafting_method: str,
             progress: Callable[[str], None] | None = None, cache_dir: Path | None = None,
             source_cache: bool = False) -> Choice:
@@ -568,12 +554,12 @@ def resolve(generator, device: str, prompt_tokens: int, answer_tokens: int, draf
     # the whole table (every candidate), so pipelines of other settings on this machine share one file
     path = table_path(generator.model, cache_dir, cpu)
     table = read_json(path)
-    mode = calibrate_mode()
+    from ragspec.models import calibration_job
+
+    mode = calibration_job.mode()
     if table is None and mode == "foreground":
         table = machine_table(generator.model, cache_dir=cache_dir, progress=progress)
     if mode != "off" and (table is None or (table.get("contended") and table.get("tries", 1) < TRIES)):
-        from ragspec.models import calibration_job
-
         log = calibration_job.start(generator.model, path, cache_dir, again=table is not None)
         if log is not None and progress is not None:
             progress(("this machine's figures were measured beside another job: measuring again" if table else
