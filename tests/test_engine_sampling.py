@@ -1,6 +1,9 @@
 """Sampling through draft trees keeps the model's distribution exactly: the empirical distribution of the
 first two generated tokens matches the model's (chi-square), with enough samples to catch a 5% error where the
-acceptance runs on one verifier forward, and an 8% error where every draw is a whole verifier step."""
+acceptance runs on one verifier forward, and an 8% error where every draw is a whole verifier step. For dtype
+gguf the model's distribution is the verifier's own plain steps: it reads a prompt with prompt kernels whose
+rounding differs from a full forward's (enough to move a token across the top-p edge), and a tree row must give
+the bits of a one-token step."""
 
 from __future__ import annotations
 
@@ -27,6 +30,13 @@ def smol():
     return load_generator("smollm2-135m-instruct")
 
 
+@pytest.fixture(scope="module")
+def smol_gguf():
+    from ragspec.models.generator import load_generator
+
+    return load_generator("smollm2-135m-instruct", dtype="gguf")
+
+
 def exact_joint(model, prompt):
     """p(t1, t2) under the sampling settings, from plain forwards."""
     with torch.inference_mode():
@@ -36,6 +46,22 @@ def exact_joint(model, prompt):
             p2 = target_probs(model(torch.tensor([prompt + [t1]])).logits[0, -1], SETTINGS)
             for t2 in torch.nonzero(p2).flatten().tolist():
                 joint[(t1, t2)] = float(p1[t1] * p2[t2])
+    return p1, joint
+
+
+def step_joint(model, prompt):
+    """p(t1, t2) under the sampling settings from the verifier's own plain steps: the prompt read as its prefill
+    reads it, then each t1 as a one-token step on that cache (score leaves the cache as it was)."""
+    v = Verifier(model, SETTINGS)
+    v.prefill(prompt)
+    p1 = target_probs(v.score(DraftTree())[0], SETTINGS)
+    joint = {}
+    for t1 in torch.nonzero(p1).flatten().tolist():
+        one = DraftTree()
+        one.add(-1, t1)
+        p2 = target_probs(v.score(one)[1], SETTINGS)
+        for t2 in torch.nonzero(p2).flatten().tolist():
+            joint[(t1, t2)] = float(p1[t1] * p2[t2])
     return p1, joint
 
 
@@ -142,6 +168,33 @@ def test_first_two_tokens_follow_the_model(smol):
     counts = sample_pairs(model, prompt, lambda: draft_tree(p1, joint),
                           lambda first: draft_tree(p1, joint, prefix=first))
     assert_follows(joint, counts, shift=STEP_SHIFT)
+
+
+def test_gguf_first_two_tokens_follow_the_model(smol_gguf):
+    """dtype gguf (the default on CPUs with AVX2): whole verifier steps over trees of several candidates per
+    level, against the joint of the verifier's one-token steps."""
+    model, tok = smol_gguf
+    prompt = chat(tok, "Name one colour of the rainbow.")
+    p1, joint = step_joint(model, prompt)
+    counts = sample_pairs(model, prompt, lambda: draft_tree(p1, joint),
+                          lambda first: draft_tree(p1, joint, prefix=first))
+    assert_follows(joint, counts, shift=STEP_SHIFT)
+
+
+def test_gguf_suffix_drafts_keep_the_distribution(smol_gguf):
+    """The suffix drafter's scored tree on dtype gguf: one verifier forward, the acceptance run SAMPLES times."""
+    from ragspec.decoding.drafters.base import DraftState
+    from ragspec.decoding.drafters.suffix import SuffixDrafter
+
+    model, tok = smol_gguf
+    prompt = colour_prompt(tok)
+    _p1, joint = step_joint(model, prompt)
+    drafter = SuffixDrafter()
+    state = DraftState(tokens=list(prompt), prompt_len=len(prompt))
+    drafter.prepare(state)
+    tree = drafter.propose(state, 12)
+    assert len(tree.children(-1)) >= 2 and tree.max_depth() >= 2
+    assert_follows(joint, tree_pairs(model, prompt, joint, tree, seed=7))
 
 
 @pytest.mark.parametrize("method", ["suffix", "auto"])
