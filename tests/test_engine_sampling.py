@@ -161,52 +161,35 @@ def tree_pairs(model, prompt, joint, tree, seed=7):
     return counts
 
 
-def test_first_two_tokens_follow_the_model(smol):
-    model, tok = smol
+def joint_of(request, dtype):
+    """(model, tokenizer, the joint function) for a dtype: float32 against plain full forwards, gguf against the
+    verifier's own one-token steps (its prompt kernels round otherwise than a full forward)."""
+    if dtype == "float32":
+        return (*request.getfixturevalue("smol"), exact_joint)
+    return (*request.getfixturevalue("smol_gguf"), step_joint)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "gguf"])
+def test_first_two_tokens_follow_the_model(request, dtype):
+    """Whole verifier steps over trees of several candidates per level (gguf: the default on CPUs with AVX2)."""
+    model, tok, joint_fn = joint_of(request, dtype)
     prompt = chat(tok, "Name one colour of the rainbow.")
-    p1, joint = exact_joint(model, prompt)
+    p1, joint = joint_fn(model, prompt)
     counts = sample_pairs(model, prompt, lambda: draft_tree(p1, joint),
                           lambda first: draft_tree(p1, joint, prefix=first))
     assert_follows(joint, counts, shift=STEP_SHIFT)
 
 
-def test_gguf_first_two_tokens_follow_the_model(smol_gguf):
-    """dtype gguf (the default on CPUs with AVX2): whole verifier steps over trees of several candidates per
-    level, against the joint of the verifier's one-token steps."""
-    model, tok = smol_gguf
-    prompt = chat(tok, "Name one colour of the rainbow.")
-    p1, joint = step_joint(model, prompt)
-    counts = sample_pairs(model, prompt, lambda: draft_tree(p1, joint),
-                          lambda first: draft_tree(p1, joint, prefix=first))
-    assert_follows(joint, counts, shift=STEP_SHIFT)
-
-
-def test_gguf_suffix_drafts_keep_the_distribution(smol_gguf):
-    """The suffix drafter's scored tree on dtype gguf: one verifier forward, the acceptance run SAMPLES times."""
-    from ragspec.decoding.drafters.base import DraftState
-    from ragspec.decoding.drafters.suffix import SuffixDrafter
-
-    model, tok = smol_gguf
-    prompt = colour_prompt(tok)
-    _p1, joint = step_joint(model, prompt)
-    drafter = SuffixDrafter()
-    state = DraftState(tokens=list(prompt), prompt_len=len(prompt))
-    drafter.prepare(state)
-    tree = drafter.propose(state, 12)
-    assert len(tree.children(-1)) >= 2 and tree.max_depth() >= 2
-    assert_follows(joint, tree_pairs(model, prompt, joint, tree, seed=7))
-
-
-@pytest.mark.parametrize("method", ["suffix", "auto"])
-def test_suffix_drafts_keep_the_distribution(smol, method):
+@pytest.mark.parametrize("method, dtype", [("suffix", "float32"), ("auto", "float32"), ("suffix", "gguf")])
+def test_suffix_drafts_keep_the_distribution(request, method, dtype):
     """The suffix drafter's own scored tree (several continuations of a repeated spot) under sampling."""
     from ragspec.decoding.drafters import make_drafter
     from ragspec.decoding.drafters.base import DraftState
     from ragspec.decoding.drafters.suffix import SuffixDrafter
 
-    model, tok = smol
+    model, tok, joint_fn = joint_of(request, dtype)
     prompt = colour_prompt(tok)
-    _p1, joint = exact_joint(model, prompt)
+    _p1, joint = joint_fn(model, prompt)
     drafter = SuffixDrafter() if method == "suffix" else make_drafter("auto")  # auto: suffix's and pld's trees
     state = DraftState(tokens=list(prompt), prompt_len=len(prompt))
     drafter.prepare(state)
