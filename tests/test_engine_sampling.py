@@ -37,16 +37,21 @@ def smol_gguf():
     return load_generator("smollm2-135m-instruct", dtype="gguf")
 
 
+def joint_from(p1, next_probs):
+    """p(t1, t2) = p1[t1] · p(t2 | t1) over the tokens the sampling settings keep."""
+    joint = {}
+    for t1 in torch.nonzero(p1).flatten().tolist():
+        p2 = next_probs(t1)
+        for t2 in torch.nonzero(p2).flatten().tolist():
+            joint[(t1, t2)] = float(p1[t1] * p2[t2])
+    return p1, joint
+
+
 def exact_joint(model, prompt):
     """p(t1, t2) under the sampling settings, from plain forwards."""
     with torch.inference_mode():
         p1 = target_probs(model(torch.tensor([prompt])).logits[0, -1], SETTINGS)
-        joint = {}
-        for t1 in torch.nonzero(p1).flatten().tolist():
-            p2 = target_probs(model(torch.tensor([prompt + [t1]])).logits[0, -1], SETTINGS)
-            for t2 in torch.nonzero(p2).flatten().tolist():
-                joint[(t1, t2)] = float(p1[t1] * p2[t2])
-    return p1, joint
+        return joint_from(p1, lambda t1: target_probs(model(torch.tensor([prompt + [t1]])).logits[0, -1], SETTINGS))
 
 
 def step_joint(model, prompt):
@@ -54,15 +59,13 @@ def step_joint(model, prompt):
     reads it, then each t1 as a one-token step on that cache (score leaves the cache as it was)."""
     v = Verifier(model, SETTINGS)
     v.prefill(prompt)
-    p1 = target_probs(v.score(DraftTree())[0], SETTINGS)
-    joint = {}
-    for t1 in torch.nonzero(p1).flatten().tolist():
+
+    def after(t1):
         one = DraftTree()
         one.add(-1, t1)
-        p2 = target_probs(v.score(one)[1], SETTINGS)
-        for t2 in torch.nonzero(p2).flatten().tolist():
-            joint[(t1, t2)] = float(p1[t1] * p2[t2])
-    return p1, joint
+        return target_probs(v.score(one)[1], SETTINGS)
+
+    return joint_from(target_probs(v.score(DraftTree())[0], SETTINGS), after)
 
 
 def draft_tree(p1, joint, prefix=None):
