@@ -57,9 +57,10 @@ def corpus(tmp_path) -> Path:
     return write_corpus(tmp_path / "corpus")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smol():
-    """SmolLM2-135M-Instruct (model, tokenizer), seeded; a module that needs another load defines its own."""
+    """SmolLM2-135M-Instruct (model, tokenizer), seeded, one for the session (no test changes it); a module that
+    needs another load defines its own."""
     import torch
 
     from ragspec.models.generator import load_generator
@@ -68,7 +69,7 @@ def smol():
     return load_generator("smollm2-135m-instruct")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cases(smol):
     """(prompt, greedy reference) for each of greedy_cases.QUESTIONS, 48 new tokens."""
     from greedy_cases import PASSAGES, QUESTIONS, chat_prompt, reference
