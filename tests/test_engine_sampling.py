@@ -177,9 +177,8 @@ def test_first_two_tokens_follow_the_model(smol_gguf):
     AVX2). A step's acceptance is the same code for every dtype; float32's trees are checked against plain full
     forwards by the one-forward tests below (whole float32 steps cost 3.5 min of CI on a Zen 3 for no other path)."""
     model, tok = smol_gguf
-    joint_fn = step_joint
     prompt = chat(tok, "Name one colour of the rainbow.")
-    p1, joint = joint_fn(model, prompt)
+    p1, joint = step_joint(model, prompt)
     counts = sample_pairs(model, prompt, lambda: draft_tree(p1, joint),
                           lambda first: draft_tree(p1, joint, prefix=first))
     assert_follows(joint, counts, shift=STEP_SHIFT)
