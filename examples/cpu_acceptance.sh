@@ -46,7 +46,7 @@ run() {  # run CMD… > FILE (DRY=1: print it)
   stop_jobs
 }
 
-pipeline_of() { [ "$1" = "$SMALL" ] && echo pipelines/default.yaml || echo pipelines/accurate.yaml; }
+pipeline_of() { [ "$1" = "$SMALL" ] && echo pipelines/fast.yaml || echo pipelines/default.yaml; }
 
 with_dtype() {  # a copy of pipeline $1 with generator.dtype $2 under OUT
   local out="$OUT/$(basename "$1" .yaml)-$2.yaml"

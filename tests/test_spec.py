@@ -14,6 +14,12 @@ def test_shipped_specs_validate():
     assert load_spec(REPO / "pipelines" / "bge-m3.yaml").index.faiss_factory == "IVF4096,PQ64"
 
 
+def test_the_default_spec_names_the_15b_and_fast_the_05b():
+    for spec in (load_spec(None), load_spec(REPO / "pipelines" / "default.yaml")):
+        assert spec.generator.model == "qwen2.5-coder-1.5b-instruct"
+    assert load_spec(REPO / "pipelines" / "fast.yaml").generator.model == "qwen2.5-coder-0.5b-instruct"
+
+
 def test_unknown_key_is_named(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("index:\n  chunk_tokns: 100\n")

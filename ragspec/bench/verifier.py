@@ -2,7 +2,7 @@
 rounds, and the GGUF kernel's throughput by row count.
 
 `python -m ragspec.bench.verifier --model qwen2.5-coder-0.5b-instruct --rounds 2` loads llama.cpp and
-transformers/gguf in turn (`models.machine.measure_candidate`: prefill of a 1,024-token prompt, t(n) over it) and
+transformers/gguf in turn (`models.machine_measure.measure_candidate`: prefill of a 1,024-token prompt, t(n) over it) and
 prints one JSON line per candidate and round, with the CPU flags first: ratios are read within one run, since a
 shared machine's speed moves from hour to hour. `--interleave N` loads both at once over the same 1,024-token
 context and alternates single steps (t(1), then t(16)) N times, a pause between them so neither's idle threads
@@ -39,7 +39,7 @@ LAYER_05B_ODD = LAYER_05B[:-1] + [(896, 4864, 4)]
 
 
 def candidates(model: str, rounds: int) -> None:
-    from ragspec.models.machine import measure_candidate
+    from ragspec.models.machine_measure import measure_candidate
 
     for r in range(rounds):
         for backend, dtype in (("llama.cpp", "auto"), ("transformers", "gguf")):

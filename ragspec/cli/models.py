@@ -58,6 +58,10 @@ def models(
                 ok = is_valid(cache_dir(m), m, full=verify)
                 cached = " converted" + (" ✓" if ok else " (not yet)") if ok or not verify else " [red]cache damaged[/]"
             out.print(f"{m.name:30} {m.kind:9} {installed}{cached}  [dim]{m.hub_id}; {m.note}[/]")
+            if m.kind == "generator":
+                from ragspec.models.machine import table_status
+
+                out.print(f"{'':30} [dim]this machine: {table_status(m.name)}[/]")
         out.print(f"[dim]online defaults (need a reachable hub): embedder {ONLINE_EMBEDDER}, "
                   f"reranker {ONLINE_RERANKER}[/]")
 
@@ -101,7 +105,9 @@ def _print_calibration(out, model: str, force: bool) -> None:
     for row in table["candidates"]:
         name = f"{row['backend']}/{row['dtype']}"
         if "prefill_tps" not in row:
-            notes.append(f"{name}: {row.get('skipped') or 'failed: ' + row.get('error', '?')}")
+            why = row.get("skipped") or ("not measured: " + row["ruled_out"] if "ruled_out" in row else
+                                         "failed: " + row.get("error", "?"))
+            notes.append(f"{name}: {why}")
             continue
         ms = dict(zip(sizes, row["ms"]))
         share = row.get("cpu_share")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ragspec import activity
 from ragspec.console import console, progress, warn
 from ragspec.corpus.chunker import Chunk, ChunkerSettings, chunk_text
 from ragspec.corpus.loader import Document, ScanReport, SourceFile, read_file, walk
@@ -86,7 +87,11 @@ def build_index(
     `reuse_from` seeds a new target from another index of the same corpus (e.g. an IVF-PQ twin of an exact
     index) so its vectors are not computed twice.
     """
-    settings = settings or IndexSettings()
+    with activity.busy("an index build"):  # a calibration job stops while it runs
+        return _build(corpus, target, settings or IndexSettings(), embedder, show_progress, reuse_from, executor)
+
+
+def _build(corpus, target, settings: IndexSettings, embedder, show_progress, reuse_from, executor) -> BuildSummary:
     t0 = time.perf_counter()
     corpus_given = str(corpus)
     corpus = Path(corpus)

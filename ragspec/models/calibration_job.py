@@ -1,10 +1,13 @@
-"""The machine table measured in a detached process, once the machine is quiet, so a first ask never waits.
+"""The machine table measured in a detached process, once the machine is quiet, so a first ask never waits and
+no later one is slowed.
 
 Measuring every candidate of a generator takes minutes on a 2-core machine (the 1.5B: 465 s). A pipeline that
 finds no table answers with a guess from the CPU flags (`machine.guess`) and starts this job; the job waits
-until the other processes leave the CPUs nearly idle (a measurement beside an ask measures the ask), takes the
-calibration lock, measures, and writes the table that later loads read (and a pipeline holding a guess switches
-to, between asks). Its lines go to a log beside the table. `python -m ragspec.models.calibration_job MODEL`.
+until the other processes leave the CPUs nearly idle and no ragspec process does user work (`ragspec.activity`),
+takes the calibration lock, measures, and writes the table that later loads read (and a pipeline holding a guess
+switches to, between asks). While it measures, any new user work stops it within a second until the machine is
+quiet again (`machine_measure`). Its lines go to a log beside the table (`ragspec models` shows the last).
+`python -m ragspec.models.calibration_job MODEL`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from ragspec import activity
 
 QUIET = 0.25  # the machine counts as quiet when processes use under this share of all its CPUs
 QUIET_FOR_S = 10  # … for this many seconds in a row, the process that started the job idle or gone meanwhile
@@ -80,7 +85,7 @@ def wait_for_quiet(say, wait_s: float = WAIT_S, parent: int | None = None) -> bo
         now = cpu_seconds(parent) if parent else None
         idle = now is None or before is None or now - before < PARENT_IDLE
         before = now
-        calm = calm + 1 if share < QUIET and idle else 0
+        calm = calm + 1 if share < QUIET and idle and not activity.active() else 0
         if calm >= QUIET_FOR_S:
             return True
         if not told:

@@ -22,8 +22,6 @@ import hashlib
 import json
 import os
 import platform
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,32 +30,25 @@ from typing import NamedTuple
 
 from ragspec.cpu_flags import flags_hash, read_cpuinfo
 from ragspec.errors import RagspecError
+from ragspec.models.machine_measure import BLEND, CONTEXT, SIZES, run_child
 from ragspec.paths import ragspec_home, read_json, write_json
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
 NATIVE_INT8 = ("avx512_vnni", "avx_vnni", "amx_int8")
-CONTEXT = 1024  # prompt / cache length of the measurements: a 5-source ask is ~900-1,300 tokens
-SIZES = (1, 2, 4, 8, 16)  # t(n) measured at these n
 MATMUL = (1024, 896, 4864)  # M×K×N: a 1,024-token prefill through Qwen2.5-0.5B's MLP up-projection
 # Drafting: each draft token is accepted with this chance once its parent is (geometric, so a step of k
 # drafts yields (1 - ACCEPT^(k+1)) / (1 - ACCEPT) tokens; 0.7 gives the ~3 tokens a step suffix drafting
 # reaches on Spec-Bench rag, docs/models.md). One acceptance for every candidate: the same drafts are accepted
 # whatever runs the model; what differs is what a step of 1 + k tokens costs, t(1 + k).
 ACCEPT = 0.7
-FORMAT = 2  # bump when the table's layout or the measurement changes: old cache files are then ignored
+FORMAT = 3  # bump when the table's layout or the measurement changes: old cache files are then ignored
 # The answer length a pipeline plans for: max_new_tokens is a cap, not a length. The 12 quickstart asks of
 # examples/source_stats.py (quote style, Qwen2.5-0.5B) answered in 9-67 tokens (median 13, mean 21), so their
 # time is mostly prefill; planning for the cap (256) would pick the faster decoder and lose (docs/models.md).
 EXPECTED_ANSWER_TOKENS = 32
-# The source cache's calibration prompt (a warm store): a head, five cached pieces behind short source headers,
-# the question and template tail; pieces re-positioned, their first 4 tokens and the gaps computed in full, and
-# with CacheBlend the fraction BLEND of the rest. Cost grows about linearly with the fraction recomputed.
-ASSEMBLY = {"head": 64, "pieces": 5, "gap": 6, "tail": 24, "recompute": 4}
-BLEND = 0.5
 BUSY = 0.7  # a measurement that got less than this share of its cores ran beside another job: measured again
 TRIES = 3  # background jobs that measure a contended table again (or find the machine busy) before it is kept
-TIMEOUT_S = 1800  # per candidate; a busy 2-core machine measures Qwen2.5-0.5B float32 in about a minute
 
 
 # -- the CPU -------------------------------------------------------------------------------------------------
@@ -206,6 +197,37 @@ CANDIDATES = (
 )
 
 
+# Where transformers/gguf runs, the other transformers dtypes are not measured: they read 2-7x its weight bytes a
+# decoding step (t(1) is bound by those bytes) and their prompt matmuls run no faster than the int8 units its prompt
+# copy uses (float32 at under half their rate); every table measured (Zen 3, Zen 4, Zen 5, a Xeon with AMX) took
+# gguf over each of them for every shape, both models (docs/models.md).
+DOMINATED_BY_GGUF = ("transformers/float32", "transformers/bfloat16", "transformers/int8")
+
+
+def ruled_out(runnable: list[str], cpu: dict, path: Path) -> dict[str, str]:
+    """Candidate name → the rule that leaves it unmeasured: DOMINATED_BY_GGUF where transformers/gguf runs, and
+    llama.cpp where an earlier table of this machine (same CPU, flags and threads; another model) measured it
+    slower than transformers/gguf in prefill and at every t(n)."""
+    out = {}
+    if "transformers/gguf" not in runnable:
+        return out
+    for name in DOMINATED_BY_GGUF:
+        if name in runnable:
+            out[name] = "transformers/gguf runs here: fewer weight bytes a step, prompts on the int8 units"
+    if "llama.cpp/gguf" in runnable:
+        same_cpu = f"-cpu{cpu['flags_hash']}-t{cpu['threads']}c{cpu['cores']}-"
+        for other in sorted(path.parent.glob(f"machine-*{same_cpu}*.json")):
+            if other == path or (table := read_json(other)) is None or table.get("contended"):
+                continue
+            rows = {f"{r['backend']}/{r['dtype']}": r for r in table.get("candidates", []) if "prefill_tps" in r}
+            g, ll = rows.get("transformers/gguf"), rows.get("llama.cpp/gguf")
+            if g and ll and g["prefill_tps"] > ll["prefill_tps"] and all(a < b for a, b in zip(g["ms"], ll["ms"])):
+                out["llama.cpp/gguf"] = (f"slower than transformers/gguf at every shape in this machine's table of "
+                                         f"{table.get('model')}")
+                break
+    return out
+
+
 # -- the calibration table -----------------------------------------------------------------------------------
 def _llama_version() -> str | None:
     from importlib.metadata import PackageNotFoundError, version
@@ -271,6 +293,24 @@ def machine_table(model: str, force: bool = False, cache_dir: Path | None = None
         return _measure_table(model, path, cpu, candidates, say, tries, old if again else None)
 
 
+def table_status(model: str, cache_dir: Path | None = None) -> str:
+    """One line on `model`'s table here: measured (when, CPU seconds), being measured (the job's last log line),
+    or not measured yet."""
+    path = table_path(model, cache_dir)
+    table = read_json(path)
+    if table is not None:
+        cpu_s = sum(r.get("cpu_s", 0.0) for r in table.get("candidates", []))
+        measured = [f"{r['backend']}/{r['dtype']}" for r in table["candidates"] if "prefill_tps" in r]
+        return (f"measured {table.get('measured_at', '?')} ({', '.join(measured) or 'nothing'}; {cpu_s:.0f} s of CPU)"
+                + (" — contended, to be measured again" if table.get("contended") else ""))
+    log = path.with_suffix(".log")
+    try:
+        last = log.read_text(encoding="utf-8").strip().splitlines()[-1]
+    except (OSError, IndexError):
+        return "not measured yet (the first ask starts it in the background; `ragspec models --calibrate` now)"
+    return f"being measured in the background: {last}"
+
+
 def busy_try(model: str, cache_dir: Path | None = None, candidates=CANDIDATES) -> dict | None:
     """Count a background job that found the machine too busy to measure a contended table again as one of its
     TRIES, so a machine that stays busy stops starting jobs for it. Returns the table (None: there is none)."""
@@ -297,19 +337,24 @@ def _measure_table(model: str, path: Path, cpu: dict, candidates, say: Callable[
     two measurements got the larger share of its cores, so a try more disturbed than the last loses nothing."""
     earlier = {(r["backend"], r["dtype"]): r for r in (before or {}).get("candidates", []) if "prefill_tps" in r}
     rows = []
+    needs = {c.name: c.needs(cpu, model) for c in candidates}
+    rules = ruled_out([n for n, why in needs.items() if why is None], cpu, path)
     for c in candidates:
         row = {"backend": c.backend, "dtype": c.dtype}
-        why = c.needs(cpu, model)
+        why = needs[c.name]
         if why:
             row["skipped"] = why
             say(f"{c.name}: skipped ({why})")
+        elif c.name in rules:
+            row["ruled_out"] = rules[c.name]
+            say(f"{c.name}: not measured ({rules[c.name]})")
         else:
             say(f"{c.name}: measuring prefill and t(1)…t({SIZES[-1]}) over {CONTEXT} tokens…")
             try:
-                row |= _measure_in_child(model, c, cpu["threads"])
+                row |= run_child(model, c.backend, c.dtype, cpu["threads"], lambda line, c=c: say(f"{c.name}: {line}"))
                 if row["cpu_share"] < BUSY:  # another job took cores: its figures would mislead for good
                     say(f"{c.name}: got {row['cpu_share']:.0%} of its cores (another job ran), measuring again…")
-                    again = _measure_in_child(model, c, cpu["threads"])
+                    again = run_child(model, c.backend, c.dtype, cpu["threads"], say)
                     row |= (again | {"attempts": 2}) if again["cpu_share"] > row["cpu_share"] else {"attempts": 2}
                 last = earlier.get((c.backend, c.dtype))
                 if last is not None and last.get("cpu_share", 0.0) > row["cpu_share"]:
@@ -317,7 +362,7 @@ def _measure_table(model: str, path: Path, cpu: dict, candidates, say: Callable[
                         "keeping the last try's figures")
                     row = dict(last)
                 say(f"{c.name}: prefill {row['prefill_tps']:.0f} tok/s, t(1) {row['ms'][0]:.1f} ms "
-                    f"({row.get('seconds', 0):.0f} s)")
+                    f"({row.get('seconds', 0):.0f} s, {row.get('cpu_s', 0):.0f} s of CPU)")
             except RagspecError as exc:
                 row["error"] = str(exc)
                 say(f"{c.name}: failed ({exc})")
@@ -338,106 +383,6 @@ def _torch_version() -> str:
     import torch
 
     return torch.__version__
-
-
-def _measure_in_child(model: str, c: Candidate, threads: int) -> dict:
-    """`measure_candidate` in a fresh process; its JSON is the last line it prints."""
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-               TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "ragspec.models.machine", model, c.backend, c.dtype, str(threads)]
-    try:
-        r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise RagspecError(f"measuring took over {TIMEOUT_S} s") from None
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    if r.returncode != 0 or not lines:
-        if r.returncode < 0:
-            import signal
-
-            why = f"the measuring process died of {signal.Signals(-r.returncode).name}"
-        else:
-            tail = r.stderr.strip().splitlines()
-            why = tail[-1] if tail else f"exit status {r.returncode}"
-        raise RagspecError(why[:300])
-    return json.loads(lines[-1])
-
-
-def measure_candidate(model: str, backend: str, dtype: str, context: int = CONTEXT, sizes=SIZES,
-                      repeats: int = 3) -> dict:
-    """Load `model` as the candidate says and measure it: prefill tok/s (median of `repeats` prefills of a
-    `context`-token prompt, after a short warm-up) and t(n) in ms for each n in `sizes` (the backend's own
-    `measure_costs`, made monotone as the budget does)."""
-    import resource
-
-    import numpy as np
-    import torch
-
-    from ragspec.decoding.backends import backend_class, make_backend
-    from ragspec.decoding.budget import monotone
-    from ragspec.decoding.sampling import SamplingSettings
-    from ragspec.models.generator import load_generator, load_llama_generator
-
-    t0 = time.perf_counter()
-    if backend == "llama.cpp":
-        lm, _ = load_llama_generator(model)
-    else:
-        lm, _ = load_generator(model, "cpu", dtype)
-    load_s = time.perf_counter() - t0
-    try:
-        vocab = int(lm.config.vocab_size)
-        prompt = np.random.default_rng(0).integers(100, min(vocab, 30000), context + 1).tolist()
-        threads = getattr(lm, "n_threads", None) or torch.get_num_threads()
-        b = make_backend(lm, SamplingSettings())
-        b.prefill(prompt[:64])  # warm-up: first-call allocations and kernel choices
-        r0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        prefill = sorted(b.prefill(prompt) for _ in range(repeats))[repeats // 2]
-        b.close()
-        ms = monotone(backend_class(lm).measure_costs(lm, context, repeats, list(sizes)))
-        r1, w1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        store = measure_assembly(lm, prompt[:context], repeats)
-    finally:
-        if hasattr(lm, "close"):
-            lm.close()
-    cpu_s = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-    return {"prefill_tps": round(context / (prefill / 1000), 1), "prefill_ms": round(prefill, 1), **store,
-            "ms": [round(x, 2) for x in ms], "load_s": round(load_s, 1), "threads": threads,
-            # the share of `threads` cores the measurement got: well under 1, another job was running
-            "cpu_share": round(cpu_s / ((w1 - w0) * threads), 2), "seconds": round(time.perf_counter() - t0, 1)}
-
-
-def measure_assembly(lm, prompt: list[int], repeats: int = 3) -> dict:
-    """What a warm source store makes of `prompt`'s prefill (the `ASSEMBLY` layout, filled by one cold
-    assembly first): `assembled_ms` with first-k recompute only, and `blended_ms` with CacheBlend's fraction
-    `BLEND` too (transformers only: llama.cpp applies none). Where the model cannot assemble, `assembly` says
-    why and the choice counts a full prefill."""
-    from ragspec.decoding.backends import make_backend
-    from ragspec.decoding.sampling import SamplingSettings
-    from ragspec.decoding.source_cache import SourceKVStore, SourcePlan
-
-    a = ASSEMBLY
-    size = (len(prompt) - a["head"] - a["tail"]) // a["pieces"] - a["gap"]
-    pieces, at = [], a["head"]
-    for _ in range(a["pieces"]):
-        pieces.append((at + a["gap"], at + a["gap"] + size))
-        at += a["gap"] + size
-    store = SourceKVStore(memory_bytes=4 << 30)
-    out = {}
-    b = make_backend(lm, SamplingSettings())
-    try:
-        for name, blend in (("assembled_ms", 0.0), ("blended_ms", BLEND)):
-            runs = []
-            for _ in range(repeats + 1):  # a run before the timed ones: the first fills the store (cold)
-                plan = SourcePlan(store, a["head"], pieces, a["recompute"], blend)
-                runs.append(b.prefill(prompt, sources=plan))
-                if plan.fallback:
-                    return {"assembly": plan.fallback}
-                if plan.note:  # not applied (llama.cpp has no CacheBlend): it costs what first-k does
-                    return out
-            out[name] = round(sorted(runs[1:])[repeats // 2], 1)
-    finally:
-        b.close()
-    return out
 
 
 def prefill_s(row: dict, prompt_tokens: int, blend: float | None = None) -> float:
@@ -582,19 +527,3 @@ def resolve(generator, device: str, prompt_tokens: int, answer_tokens: int, draf
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return (text.splitlines()[0] if text else type(exc).__name__)[:200]
-
-
-def _main(argv: list[str]) -> None:
-    """`python -m ragspec.models.machine MODEL BACKEND DTYPE THREADS`: one candidate's measurement as JSON."""
-    model, backend, dtype, threads = argv
-    import torch
-
-    torch.set_num_threads(int(threads))
-    from ragspec.console import quiet_libraries
-
-    quiet_libraries()
-    print(json.dumps(measure_candidate(model, backend, dtype)), flush=True)
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1:])

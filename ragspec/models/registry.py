@@ -37,7 +37,6 @@ class EmbeddedModel:
     hub_id: str
     note: str = ""
     extra: dict = field(default_factory=dict)
-    optional: bool = False  # not installed by `make install` (a separate make target)
 
     @property
     def pip_command(self) -> str:
@@ -67,7 +66,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size=491_400_064,
             hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
-            note="Q4_K_M GGUF in 6 parts; the default generator",
+            note="Q4_K_M GGUF in 6 parts; the fast generator (pipelines/fast.yaml)",
             # the relevance gate measured for this generator, per embedder: (floor, doubt), chosen on CLAP NQ
             # 151-300 and NQ-open 201-400 (docs/evaluation.md, *Declining*; retrieve/relevance.py); the source
             # budget that halves the quickstart prompts with answers within one standard error of whole sources
@@ -86,7 +85,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             size=1_117_320_768,
             hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
-            note="Q4_K_M GGUF in 22 parts; better answers, ~3x slower (`make model-1.5b`)",
+            note="Q4_K_M GGUF in 22 parts; the default generator: better answers, ~3x the 0.5B's time",
             # declines 60 % of answerable NQ questions with the default phrasing, 30 % with this one (prompt.py);
             # dtype gguf reads its prompts with the int8 copy where int8 units run it: the quickstart questions'
             # first token 0.82x, answers within one standard error (docs/decoding.md, *The int8 prompt copy*) with
@@ -94,7 +93,6 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             # 151-300) restores it
             extra={"decline": "expected", "relevance_band": {"all-minilm-l6-v2": (0.50, 0.58)},
                    "prompt_copy": "int8", "relevance_band_with_copy": {"int8": {"all-minilm-l6-v2": (0.505, 0.58)}}},
-            optional=True,
         ),
         EmbeddedModel(
             name="all-minilm-l6-v2",
@@ -113,7 +111,10 @@ EMBEDDED: dict[str, EmbeddedModel] = {
     ]
 }
 
-DEFAULT_GENERATOR = "qwen2.5-coder-0.5b-instruct"
+# The 1.5B answers right far more often than the 0.5B (NQ-open 200 gold passage 0.725 vs 0.550, Spec-Bench rag 40
+# 0.425 vs 0.225, the quickstart questions 7/12 vs 3/12: docs/models.md, "Which model"); the 0.5B is fast.yaml.
+DEFAULT_GENERATOR = "qwen2.5-coder-1.5b-instruct"
+FAST_GENERATOR = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_EMBEDDER = "all-minilm-l6-v2"
 # The papers' setting, for users with a reachable hub.
 ONLINE_EMBEDDER = "BAAI/bge-m3"

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ragspec import activity
 from ragspec.decoding.drafters import check_params, make_drafter
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.errors import RagspecError
@@ -132,7 +133,7 @@ class Pipeline(SourceCacheMixin):
         `generator.backend` / `dtype` auto on a CPU, the backend and dtype are the fastest measured on this
         machine for this pipeline's ask shape (measured once per machine). `progress(line)` hears about the
         choice and about the one-time measurement of the forward cost."""
-        with self._load_lock:
+        with self._load_lock, activity.busy("loading a generator"):
             if self._model is not None and self.choice is not None and self.choice.guessed:
                 self._follow_measurement(progress)
             if self._model is None:
@@ -335,14 +336,15 @@ class Pipeline(SourceCacheMixin):
         "off" or "auto"; default `prompt.source_tokens`). `source_cache`: "on", "off" or "auto" for this call
         (default `generator.source_cache`)."""
         t_start = time.perf_counter()
-        p = self.prepare(question, documents=documents, history=history, instructions=instructions, filter=filter,
-                         max_new_tokens=max_new_tokens, source_tokens=source_tokens)
-        max_new = self._max_new(max_new_tokens)
-        if p.declined:
-            yield from self._declined(question, p.sources, p.retrieval_ms, p.relevance, t_start)
-            return
-        yield from self._generate(p.built, question, p.retrieval_ms, max_new, stop, temperature, t_start, cancel,
-                                  on_progress, p.relevance, self.source_plan(p.built, source_cache))
+        with activity.busy("an ask"):  # a calibration job stops while it runs
+            p = self.prepare(question, documents=documents, history=history, instructions=instructions,
+                             filter=filter, max_new_tokens=max_new_tokens, source_tokens=source_tokens)
+            max_new = self._max_new(max_new_tokens)
+            if p.declined:
+                yield from self._declined(question, p.sources, p.retrieval_ms, p.relevance, t_start)
+                return
+            yield from self._generate(p.built, question, p.retrieval_ms, max_new, stop, temperature, t_start, cancel,
+                                      on_progress, p.relevance, self.source_plan(p.built, source_cache))
 
     def prepare(self, question: str, *, documents: Iterable[str | SourceText] | None = None,
                 history: list[dict] | None = None, instructions: str | None = None, filter=None,
@@ -442,10 +444,11 @@ class Pipeline(SourceCacheMixin):
         messages); drafts and citations come from the prompt itself (source 1, path '<prompt>')."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         max_new = self._max_new(max_new_tokens)
-        with self._gen_lock:
-            built = prompt_as_source(self.tokenizer, messages)
-        yield from self._generate(built, messages[-1]["content"] if messages else "", 0.0, max_new, stop, temperature,
-                                  None, cancel, on_progress)
+        with activity.busy("a generation"):
+            with self._gen_lock:
+                built = prompt_as_source(self.tokenizer, messages)
+            yield from self._generate(built, messages[-1]["content"] if messages else "", 0.0, max_new, stop,
+                                      temperature, None, cancel, on_progress)
 
     def _max_new(self, max_new_tokens: int | None) -> int:
         """The answer budget of one call; 0 or less is an error, never silently the default."""
