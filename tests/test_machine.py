@@ -194,7 +194,7 @@ def test_calibration_measures_each_candidate_once_then_reads_the_cache(home, tab
         assert any("float32: not measured (transformers/gguf runs here" in line for line in lines)
     if available() is None:
         llama = rows["llama.cpp", "gguf"]
-        assert llama["prefill_tps"] > 0 and llama["assembled_ms"] > 0 and "blended_ms" not in llama
+        assert llama["prefill_tps"] > 0 and "assembled_ms" not in llama  # its warm store counts as a prefill
     else:
         assert rows["llama.cpp", "gguf"]["skipped"] == available()
     if not machine.native_bf16():

@@ -138,8 +138,8 @@ def test_citations_of_a_cut_source_slice_the_document_and_never_cross_a_gap():
 
 
 def test_auto_takes_the_budget_measured_for_the_generator():
-    """`auto` (the default) is the registry's measured budget: 256 for the default 0.5B, none (whole sources) for
-    a generator nobody measured; `off` and a number override it."""
+    """`auto` (the default) is the registry's measured budget: 256 for the 0.5B, 384 for the default 1.5B's
+    retrieved sources, none (whole sources) for a generator nobody measured; `off` and a number override it."""
     from ragspec.pipeline import Pipeline
 
     qwen = {"model": "qwen2.5-coder-0.5b-instruct"}
@@ -147,7 +147,11 @@ def test_auto_takes_the_budget_measured_for_the_generator():
     assert Pipeline({"generator": qwen, "prompt": {"source_tokens": "off"}}).source_budget is None
     assert Pipeline({"generator": qwen, "prompt": {"source_tokens": 512}}).source_budget == 512
     assert Pipeline({"generator": {"model": SMOL}}).source_budget is None
-    assert Pipeline({"generator": {"model": "qwen2.5-coder-1.5b-instruct"}}).source_budget is None
+    # the 1.5B: its budget measured on retrieved sources only; passages given to the ask go whole
+    default = Pipeline({})
+    assert default.source_budget == 384 == default.resolve_source_budget(retrieved=True)
+    assert default.resolve_source_budget(retrieved=False) is None and default.resolve_source_budget(512, False) == 512
+    assert Pipeline({"generator": qwen}).resolve_source_budget(retrieved=False) == 256  # the 0.5B's holds for both
 
 
 def test_bad_values_are_one_clear_line():

@@ -43,7 +43,7 @@ def candidates(model: str, rounds: int) -> None:
 
     for r in range(rounds):
         for backend, dtype in (("llama.cpp", "auto"), ("transformers", "gguf")):
-            m = measure_candidate(model, backend, dtype, repeats=5)
+            m = measure_candidate(model, backend, dtype, context=1024, repeats=5, assembly=True)
             print(json.dumps({"round": r, "candidate": f"{backend}/{dtype}",
                               **{k: m[k] for k in ("prefill_tps", "ms", "cpu_share")}}), flush=True)
 

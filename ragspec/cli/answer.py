@@ -101,7 +101,7 @@ def ask(
 
         _show_stream(events(), reading.close)
 
-    run(body)
+    run(body, busy="ragspec ask")
 
 
 def _ask_server(url, api_key, question, index_path, max_new_tokens, where, as_json, no_stream, local_only):

@@ -20,10 +20,16 @@ def fail(message: str, code: int = 2):
     raise typer.Exit(code)
 
 
-def run(fn):
-    """Run a command body; user errors become one red line and exit code 2."""
+def run(fn, busy: str | None = None):
+    """Run a command body; user errors become one red line and exit code 2. `busy`: the command is user work
+    from its first line (imports and loads included), so a calibration job on the machine stops meanwhile."""
+    from contextlib import nullcontext
+
+    from ragspec import activity
+
     try:
-        return fn()
+        with activity.busy(busy) if busy else nullcontext():
+            return fn()
     except RagspecError as exc:
         fail(str(exc))
     except KeyboardInterrupt:

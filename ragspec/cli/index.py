@@ -80,7 +80,7 @@ def index(
         if kv_cache:
             _fill_source_cache(target, spec, executor, address, embed_actors)
 
-    run(body)
+    run(body, busy="ragspec index")
 
 
 def _fill_source_cache(target: Path, spec: Path | None, executor: str = "local", address: str | None = None,
@@ -190,7 +190,7 @@ def search(
             out.print("   " + (snippet[:300] + ("…" if len(snippet) > 300 else "")))
         console.print(f"[dim]{len(hits)} results in {ms:.0f} ms ({', '.join(retriever.stages)})[/]")
 
-    run(body)
+    run(body, busy="ragspec search")
 
 
 def info(index_path: Path = typer.Argument(..., metavar="INDEX"),

@@ -4,8 +4,8 @@ the measurement is done).
 The CPU's SIMD flags decide which kernels exist: without native bf16 (AVX-512 BF16 or AMX) a bfloat16 model
 runs on slow emulation, and llama.cpp's quantized GGUF kernels can beat PyTorch's float32 on decoding while
 losing on prefill, or the reverse. So `generator.backend: auto` / `dtype: auto` measure each candidate once
-per machine (CPU model, flags, threads): prefill tok/s over a ~1,024-token prompt and t(1)…t(16), one forward
-of n tokens over a 1,024-token cache. The table is cached as JSON beside the draft budget's t(n) tables and
+per machine (CPU model, flags, threads): prefill tok/s over a 512-token prompt and t(1)…t(16), one forward
+of n tokens over a 512-token cache. The table is cached as JSON beside the draft budget's t(n) tables and
 `choose` picks, for an ask's shape, the candidate with the least predicted time.
 
 Each candidate is measured in a child process: a native build that dies (SIGILL on a CPU it was not built

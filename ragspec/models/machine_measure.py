@@ -29,7 +29,9 @@ from ragspec.errors import RagspecError
 
 POLL_S = 0.2  # how often the parent looks for user work
 RESUME_AFTER_S = 3.0  # a stopped measurement continues after this long with no user work
-CONTEXT = 1024  # prompt / cache length of the measurements: a 5-source ask is ~900-1,300 tokens
+# prompt / cache length of the measurements: a 5-source ask within its source budget is ~400-700 tokens (whole
+# sources ~900-1,300); each prefill of the 1.5B on llama.cpp costs 5 s of 2 cores at this length
+CONTEXT = 512
 SIZES = (1, 2, 4, 8, 16)  # t(n) measured at these n
 # the source cache's calibration prompt (a warm store): a head, five cached pieces behind short source headers,
 # the question and template tail; pieces re-positioned, their first 4 tokens and the gaps computed in full, and
@@ -120,11 +122,14 @@ def unpaused(measure: Callable[[], object]) -> object:
 
 
 def measure_candidate(model: str, backend: str, dtype: str, context: int = CONTEXT, sizes=SIZES,
-                      repeats: int = 2, assembly: bool = True) -> dict:
+                      repeats: int = 1, assembly: bool | None = None) -> dict:
     """Load `model` as the candidate says and measure it: prefill tok/s (the fastest of `repeats` prefills of a
     `context`-token prompt, after a short warm-up) and t(n) in ms for each n in `sizes` (the backend's own
-    `measure_costs`, made monotone as the budget does); with `assembly`, what a warm source store makes of the
-    prompt. Each timed piece is a slice that a pause makes run again."""
+    `measure_costs`, made monotone as the budget does); with `assembly` (default: on transformers, whose
+    CacheBlend only it measures; llama.cpp's warm store then counts as a full prefill), what a warm source store
+    makes of the prompt. Each timed piece is a slice that a pause makes run again. The whole table of the 1.5B
+    costs about 50 s of CPU on 2 cores this way (docs/models.md)."""
+    assembly = backend != "llama.cpp" if assembly is None else assembly
     import numpy as np
     import torch
 
@@ -148,7 +153,7 @@ def measure_candidate(model: str, backend: str, dtype: str, context: int = CONTE
         r0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         prefill = min(unpaused(lambda: b.prefill(prompt)) for _ in range(repeats))
         b.close()
-        ms = monotone(unpaused(lambda: backend_class(lm).measure_costs(lm, context, repeats, list(sizes))))
+        ms = monotone(unpaused(lambda: backend_class(lm).measure_costs(lm, context, max(repeats, 2), list(sizes))))
         r1, w1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         store = measure_assembly(lm, prompt[:context], 1) if assembly else {}
     finally:

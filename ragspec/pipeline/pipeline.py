@@ -281,7 +281,8 @@ class Pipeline(SourceCacheMixin):
         """The top-n distinct sources as numbered sources, and the retrieval time in ms. `filter`: a metadata
         filter for this question (default: `retriever.filter` of the spec)."""
         t = time.perf_counter()
-        hits = self.retriever.search(question, filter=filter)
+        with activity.busy("a search"):
+            hits = self.retriever.search(question, filter=filter)
         ms = (time.perf_counter() - t) * 1000
         store = self.retriever.index.store
         out = []
@@ -368,7 +369,7 @@ class Pipeline(SourceCacheMixin):
         # its prompt starts with the first turn's (the prefix cache reuses it)
         first = str(history[0].get("content", "")) if history and isinstance(history[0], dict) else question
         on_sources = bool(sources) and not is_task_on_sources(first)
-        budget = self.resolve_source_budget(source_tokens) if on_sources else None
+        budget = self.resolve_source_budget(source_tokens, retrieved=documents is None) if on_sources else None
         steps = self.source_steps(budget) if on_sources else []
         query = Query(first, self.window_scorer if steps else None, follow_up=bool(history))
         sources, found = run_steps(steps, query, sources)
@@ -388,9 +389,10 @@ class Pipeline(SourceCacheMixin):
         """`prompt.source_tokens` resolved: a token count, or None when sources are sent whole."""
         return self.resolve_source_budget()
 
-    def resolve_source_budget(self, value: int | str | None = None) -> int | None:
+    def resolve_source_budget(self, value: int | str | None = None, retrieved: bool = True) -> int | None:
         """A source budget (default `prompt.source_tokens`) as a token count, or None when sources are sent
-        whole. `auto` takes the budget measured for the generator (registry `source_tokens`), else none."""
+        whole. `auto` takes the budget measured for the generator (registry `source_tokens`; for sources the
+        pipeline `retrieved`, `retrieved_source_tokens` where only that was measured to hold), else none."""
         from ragspec.settings import parse_source_tokens
 
         value = parse_source_tokens(self.spec.prompt.source_tokens if value is None else value)
@@ -400,7 +402,8 @@ class Pipeline(SourceCacheMixin):
             from ragspec.models.registry import generator_entry
 
             entry = generator_entry(self.spec.generator.model)
-            value = entry.extra.get("source_tokens") if entry else None
+            extra = entry.extra if entry else {}
+            value = extra.get("source_tokens", extra.get("retrieved_source_tokens") if retrieved else None)
         return int(value) if value is not None else None
 
     def _declined(self, question: str, sources: list[SourceText], retrieval_ms: float, relevance: float,
