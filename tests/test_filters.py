@@ -7,6 +7,8 @@ import json
 
 import pytest
 from conftest import write_corpus
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from ragspec.cli import app
@@ -188,3 +190,77 @@ def test_metadata_survives_an_incremental_rebuild(tmp_path, embedder):
     hits = Retriever(Index(tmp_path / "idx"), RetrieverSettings(top_n=3), embedder=embedder).search(
         "what do otters eat", filter="year=2001")
     assert [h.key for h in hits] == ["r1"]
+
+
+# -- hostile filters (issue 90): one line naming the field, never a crash, nothing that scales past the caps --------
+OLD_WHERE = r"^\s*([A-Za-z_][\w.\-]*)\s*(>=|<=|!=|==|=|>|<|\s+in\s+)\s*(.*?)\s*$"  # the backtracking regex it replaced
+MALFORMED = {
+    '{"$and": 1}': ({"$and": 1}, "$and takes a list"),
+    "invalid date": ("modified>=2024-02-30", "filter 'modified': '2024-02-30' is not a date"),
+    "number past float": ("year>" + "9" * 400, "filter 'year': the number 9999"),
+    "past int's digit limit": ("year=" + "1" * 5000, "filter on 'year' is 5,005 characters long"),
+    "300,000 spaces": ("a=x" + " " * 300_000 + "y", "filter on 'a' is 300,004 characters long"),
+    "nested 300 deep": ("nest", "nested deeper than 8"),
+    "$in of 100,000": ({"year": {"$in": list(range(100_000))}}, "filter 'year': $in has 100,000 values"),
+    "a list as a bound": ({"year": {"$gt": [1]}}, "filter 'year': $gt takes a string, number"),
+    "an unknown operator": ({"year": {"$regex": "x"}}, "filter 'year': unknown operator '$regex'"),
+    "too many conditions": ({"$or": [{"year": i} for i in range(100)]}, "more than 64 conditions"),
+}
+
+
+def _malformed(flt):
+    if flt == "nest":
+        flt = {"year": 1}
+        for _ in range(300):
+            flt = {"$and": [flt]}
+    return flt
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_a_malformed_filter_is_one_line_naming_the_field(indexes, embedder, name):
+    flt, words = MALFORMED[name]
+    r = Retriever(indexes["flat"], RetrieverSettings(top_n=3), embedder=embedder)
+    with pytest.raises(RagspecError) as e:
+        r.search("fox", filter=_malformed(flt))
+    assert words in str(e.value) and "\n" not in str(e.value) and len(str(e.value)) < 200, str(e.value)
+
+
+def test_malformed_where_on_the_command_line_is_one_line(indexes):
+    path = str(indexes["flat"].path)
+    for name in ("invalid date", "number past float", "past int's digit limit", "300,000 spaces"):
+        where, words = MALFORMED[name]
+        res = CliRunner().invoke(app, ["search", "--index", path, "fox", "--where", where])
+        lines = [line for line in res.output.splitlines() if line.strip()]
+        assert res.exit_code == 2 and len(lines) == 1 and words in lines[0], res.output[:300]
+
+
+def test_a_document_value_shaped_like_a_date_but_none_compares_as_text():
+    from ragspec.index.filters import as_filter, compile_filter
+
+    keep = compile_filter(as_filter("modified>=2024-01-01"), {"modified"})
+    assert keep({"modified": "2024-02-30"}) and not keep({"modified": 10**400}) and keep({"modified": 1.8e9})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=" \t\nab_.-=<>!in,*'\"0123456789", max_size=30))
+def test_the_where_parser_reads_what_the_old_regex_read(expression):
+    import re
+
+    m = re.match(OLD_WHERE, expression, re.DOTALL)
+    if not m or not m.group(3):
+        with pytest.raises(RagspecError):
+            parse_where(expression)
+        return
+    try:
+        got = parse_where(expression)
+    except RagspecError as e:  # the new caps may refuse what the regex read; nothing else may differ
+        assert "too large" in str(e) or "not a date" in str(e)
+        return
+    from ragspec.index.filters import SYMBOL, _is_glob, _scalar
+
+    field, op, raw = m.group(1), m.group(2).strip(), m.group(3)
+    if op == "in":
+        expected = {"$in": [_scalar(v.strip()) for v in raw.split(",") if v.strip()]}
+    else:
+        expected = {"$glob": raw} if op in ("=", "==") and _is_glob(raw) else {SYMBOL[op]: _scalar(raw)}
+    assert got == {field: expected}
