@@ -1,5 +1,7 @@
 """One exception type for problems the user can fix; the CLI prints its message as one line."""
 
+from contextlib import contextmanager
+
 
 class RagspecError(Exception):
     """A user-facing error: bad input, a missing model package, a broken index.
@@ -11,3 +13,19 @@ class RagspecError(Exception):
 class Cancelled(RagspecError):
     """A generation stopped on request (a closed stream, a cancelled HTTP request, Ctrl-C): between prefill
     chunks or decode steps, the model lock released, nothing half-written."""
+
+
+class LoadError(RagspecError):
+    """A model or index that could not be loaded. On a server it is the server's fault, not the request's: the
+    server logs it whole and answers one generic line (the text may name this machine's paths)."""
+
+
+@contextmanager
+def loading():
+    """Inside it, loading a model or an index: a RagspecError raised there is a LoadError."""
+    try:
+        yield
+    except LoadError:
+        raise
+    except RagspecError as exc:
+        raise LoadError(str(exc)) from exc

@@ -19,7 +19,7 @@ from pathlib import Path
 from ragspec import activity
 from ragspec.decoding.drafters import check_params, make_drafter
 from ragspec.decoding.sampling import SamplingSettings
-from ragspec.errors import RagspecError
+from ragspec.errors import RagspecError, loading
 from ragspec.pipeline.aio import iterate_in_thread
 from ragspec.pipeline.answer import (
     Answer,
@@ -132,7 +132,11 @@ class Pipeline(SourceCacheMixin):
         """Load the generator (and measure its forward cost once, when the draft budget is 'auto'). With
         `generator.backend` / `dtype` auto on a CPU, the backend and dtype are the fastest measured on this
         machine for this pipeline's ask shape (measured once per machine). `progress(line)` hears about the
-        choice and about the one-time measurement of the forward cost."""
+        choice and about the one-time measurement of the forward cost. A failure is a LoadError."""
+        with loading():
+            return self._load(progress)
+
+    def _load(self, progress=None) -> Pipeline:
         with self._load_lock, activity.busy("loading a generator"):
             if self._model is not None and self.choice is not None and self.choice.guessed:
                 self._follow_measurement(progress)
@@ -322,7 +326,7 @@ class Pipeline(SourceCacheMixin):
 
     def stream(self, question: str, *, documents: Iterable[str | SourceText] | None = None,
                max_new_tokens: int | None = None, stop: Iterable[str] | None = None,
-               temperature: float | None = None, history: list[dict] | None = None,
+               temperature: float | None = None, seed: int | None = None, history: list[dict] | None = None,
                instructions: str | None = None, filter=None, cancel=None,
                on_progress=None, source_tokens: int | str | None = None,
                source_cache: str | None = None) -> Iterator[Event]:
@@ -335,7 +339,7 @@ class Pipeline(SourceCacheMixin):
         prefill chunks or decode steps with `Cancelled`. `on_progress(done, total)`: prompt tokens prefilled, after
         each prefill chunk (a long prompt takes seconds). `source_tokens`: this call's source budget (a number,
         "off" or "auto"; default `prompt.source_tokens`). `source_cache`: "on", "off" or "auto" for this call
-        (default `generator.source_cache`)."""
+        (default `generator.source_cache`). `seed`: this call's sampling seed (default `generator.seed`)."""
         t_start = time.perf_counter()
         with activity.busy("an ask"):  # a calibration job stops while it runs
             p = self.prepare(question, documents=documents, history=history, instructions=instructions,
@@ -345,7 +349,7 @@ class Pipeline(SourceCacheMixin):
                 yield from self._declined(question, p.sources, p.retrieval_ms, p.relevance, t_start)
                 return
             yield from self._generate(p.built, question, p.retrieval_ms, max_new, stop, temperature, t_start, cancel,
-                                      on_progress, p.relevance, self.source_plan(p.built, source_cache))
+                                      on_progress, p.relevance, self.source_plan(p.built, source_cache), seed)
 
     def prepare(self, question: str, *, documents: Iterable[str | SourceText] | None = None,
                 history: list[dict] | None = None, instructions: str | None = None, filter=None,
@@ -463,7 +467,8 @@ class Pipeline(SourceCacheMixin):
 
     def _generate(self, built: BuiltPrompt, question: str, retrieval_ms: float, max_new: int, stop,
                   temperature: float | None, t_start: float | None = None, cancel=None,
-                  on_progress=None, relevance: float | None = None, plan=None) -> Iterator[Event]:
+                  on_progress=None, relevance: float | None = None, plan=None, seed: int | None = None,
+                  ) -> Iterator[Event]:
         from ragspec.decoding.budget import AdaptiveBudget
         from ragspec.decoding.generate import SpeculativeGenerator
 
@@ -471,7 +476,7 @@ class Pipeline(SourceCacheMixin):
         yield SourcesEvent(built.sources, list(built.warnings), retrieval_ms)
         model, tok = self.model, self.tokenizer
         sampling = SamplingSettings(temperature=g.temperature if temperature is None else temperature,
-                                    top_k=g.top_k, top_p=g.top_p, seed=g.seed)
+                                    top_k=g.top_k, top_p=g.top_p, seed=g.seed if seed is None else seed)
         params = dict(d.params)
         if d.method in ("suffix", "auto") and d.memory:
             if self._memory is None:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ragspec.errors import RagspecError
+from ragspec.errors import RagspecError, loading
 from ragspec.index.filters import as_filter
 from ragspec.index.reader import Index
 from ragspec.retrieve.fusion import rrf
@@ -87,7 +87,8 @@ class Retriever:
                 from ragspec.models.embedder import load_embedder
 
                 e = self.index.manifest["embedder"]
-                self._embedder = load_embedder(e["requested"], self._device, e["dtype"], e.get("max_tokens"))
+                with loading():
+                    self._embedder = load_embedder(e["requested"], self._device, e["dtype"], e.get("max_tokens"))
             return self._embedder
 
     def embed_query(self, query: str) -> np.ndarray:
@@ -117,7 +118,8 @@ class Retriever:
             if self._reranker is None:
                 from ragspec.retrieve.rerank import CrossEncoderReranker
 
-                self._reranker = CrossEncoderReranker(self.settings.reranker, self._device)
+                with loading():
+                    self._reranker = CrossEncoderReranker(self.settings.reranker, self._device)
         rows = self.index.store.chunks([c for c, _ in candidates])
         scores = self._reranker.scores(query, [r.text for r in rows])
         return sorted(zip([r.id for r in rows], scores), key=lambda x: -x[1])
