@@ -250,4 +250,9 @@ class ServeSettings(Strict):
     max_tokens: int = Field(1024, ge=1, description="the most new tokens a request may ask for")
     retry_after_s: int = Field(2, ge=1, description="the Retry-After of a 503")
     prefix_cache: int = Field(4, ge=0, description="KV caches of recent generations kept for prefix reuse (0: off)")
-    cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS (empty: CORS off)")
+    cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS (empty: CORS off; "
+                                    "without an API key only the page's own)")
+    allowed_hosts: list[str] = Field(default_factory=list, description="Host names a keyless server answers besides "
+                                     "its loopback names (`--allow-host`; '*': any)")
+    report_reuse: bool = Field(False, description="report prompt tokens reused from earlier requests (cached_tokens, "
+                               "stats.*_reused_tokens): they tell one client how much of another's prompt matched")

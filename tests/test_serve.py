@@ -48,7 +48,8 @@ def live(index_path, embedder, smol, reference):
 
     pipe = make_pipeline(index_path, embedder, *smol)
     # capacity 1 (queue_size 0): a second request while one generates is refused
-    server = Server(pipe, ServeSettings(queue_size=0, timeout_s=120, max_request_bytes=4096, prefix_cache=4),
+    server = Server(pipe, ServeSettings(queue_size=0, timeout_s=120, max_request_bytes=4096, prefix_cache=4,
+                                        report_reuse=True),
                     model_name=MODEL, api_key=KEY, index_label=str(index_path))
     srv = LiveServer(create_app(server))
     yield srv, server
@@ -323,7 +324,7 @@ def test_bind_rules_and_cli_help():
 
     from ragspec.cli import app
     from ragspec.errors import RagspecError
-    from ragspec.serve.app import check_bind
+    from ragspec.serve.guards import check_bind
 
     check_bind("127.0.0.1", None)
     check_bind("::1", None)
@@ -396,7 +397,7 @@ def test_the_server_shares_one_source_cache(index_path, embedder, smol, monkeypa
     monkeypatch.setenv("RAGSPEC_HOME", str(tmp_path))
     spec = {**SPEC, "generator": {**SPEC["generator"], "source_cache": "on", "source_cache_blend": 0,
                                              "source_cache_disk_mb": 0}}
-    server = Server(make_pipeline(index_path, embedder, *smol, spec=spec), ServeSettings(prefix_cache=0),
+    server = Server(make_pipeline(index_path, embedder, *smol, spec=spec), ServeSettings(prefix_cache=0, report_reuse=True),
                     model_name=MODEL, index_label=str(index_path))
     srv = LiveServer(create_app(server))
     try:

@@ -285,6 +285,9 @@ def serve(
     port: int = typer.Option(8000, "--port"),
     api_key: str | None = typer.Option(None, "--api-key", envvar="RAGSPEC_API_KEY",
                                           help="require Authorization: Bearer KEY on /v1 endpoints"),
+    allow_host: list[str] | None = typer.Option(None, "--allow-host", help="without --api-key: another Host name "
+                                                "the server answers to besides its loopback names, repeatable "
+                                                "('*': any)"),
     executor: str = typer.Option("local", "--executor", help="local | ray (replicas behind Ray Serve's proxy)"),
     replicas: int = typer.Option(1, "--replicas", help="with --executor ray: server replicas, each with its "
                                  "own model"),
@@ -298,21 +301,28 @@ def serve(
         try:
             import uvicorn
 
-            from ragspec.serve.app import build_server, check_bind, create_app
+            from ragspec.serve.app import build_server, create_app
+            from ragspec.serve.guards import check_bind, check_cors
         except ImportError as exc:
             raise RagspecError(f"ragspec serve needs the serve extra: pip install 'ragspec[serve]' ({exc})") from None
         from ragspec.spec import load_spec
 
         check_bind(host, api_key)
+        pipeline = load_spec(spec)
+        if allow_host:
+            data = pipeline.model_dump()
+            data["serve"]["allowed_hosts"] = [*data["serve"]["allowed_hosts"], *allow_host]
+            pipeline = load_spec(data)
+        check_cors(pipeline.serve.cors_origins, api_key, port)
         if executor not in ("local", "ray"):
             raise RagspecError(f"--executor must be local or ray (got '{executor}')")
         if executor == "local" and (replicas != 1 or address is not None):
             raise RagspecError("--replicas and --address go with --executor ray")
         if executor == "ray":
-            _serve_on_ray(index_path, load_spec(spec), replicas, host, port, api_key, address)
+            _serve_on_ray(index_path, pipeline, replicas, host, port, api_key, address)
             return
         with console.status("loading the index and the model…"):
-            server = build_server(str(index_path), load_spec(spec), api_key=api_key)
+            server = build_server(str(index_path), pipeline, api_key=api_key)
         shown = f"[{host}]" if ":" in host else host
         url = f"http://{shown}:{port}"
         console.print(f"ragspec serving {index_path} with {server.model_name} on {url}/"

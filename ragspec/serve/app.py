@@ -9,14 +9,19 @@
 - Prefix reuse: the pipeline keeps the KV caches of recent generations (`serve.prefix_cache`), so a
   follow-up turn over the same sources prefills only its new turn.
 - Security: no endpoint reads a path named by the request (documents by index id only); with an API key set,
-  every /v1 endpoint needs `Authorization: Bearer KEY`; CORS only for `serve.cors_origins`.
+  every /v1 endpoint needs `Authorization: Bearer KEY`; without one, only the server's own Host and origin
+  (`guards`). Search and documents pass the same admission and timeout as asks; a filter is checked (and
+  capped) before a request is admitted; a failure that is the server's own (a model that would not load, a
+  bug) is logged whole and answered with one generic line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
+import logging
 import threading
 import time
 import uuid
@@ -32,9 +37,11 @@ from starlette.exceptions import (
     HTTPException,  # FastAPI's subclasses it; routing and body parsing raise this one
 )
 
-from ragspec.errors import Cancelled, RagspecError
+from ragspec.errors import Cancelled, LoadError, RagspecError
+from ragspec.index.filters import as_filter
 from ragspec.pipeline import CitationEvent, DoneEvent, Pipeline, SourcesEvent, TextEvent
 from ragspec.pipeline.answer import source_json
+from ragspec.serve.guards import BodyLimit, HostCheck, JsonOnly, check_cors
 from ragspec.serve.openai_schema import (
     AskRequest,
     ChatCompletion,
@@ -55,6 +62,8 @@ from ragspec.settings import ServeSettings
 
 STATIC = Path(__file__).resolve().parent / "static"
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+log = logging.getLogger("ragspec.serve")
 
 
 class ApiError(Exception):
@@ -65,51 +74,47 @@ class ApiError(Exception):
         self.param = param
 
 
-class _TooLarge(Exception):
-    pass
+def user_error(exc: BaseException) -> ApiError:
+    """What a client is told of an exception: its own mistake (a RagspecError) in full; the server's own (a
+    model that would not load, anything unexpected) logged with its traceback and told in one generic line."""
+    if isinstance(exc, RagspecError) and not isinstance(exc, LoadError):
+        return ApiError(400, str(exc))
+    log.error("a request failed: %s", exc, exc_info=exc)
+    if isinstance(exc, LoadError):
+        return ApiError(503, "the server could not load its model or index; its log says why", "server_error",
+                        "load_failed")
+    return ApiError(500, "the server failed on this request; its log says why", "server_error", "internal")
 
 
-class BodyLimit:
-    """ASGI middleware: request bodies over `limit` bytes get 413 (by Content-Length, or while reading)."""
+class Slot:
+    """One admitted request's place: released once, by its worker thread when it ends, or by its response
+    when no worker ever started (a streamed response whose first send raised)."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, server: Server):
+        self.server, self.held, self.working = server, True, False
+
+    def release(self) -> None:
+        with self.server._lock:
+            if self.held:
+                self.held = False
+                self.server.admitted -= 1
+
+
+class EventStream(StreamingResponse):
+    """A streamed answer whose generation stops and whose slot is freed when the response ends, however it
+    ends (a client gone, a send that raised)."""
+
+    def __init__(self, body, slot: Slot, cancel: threading.Event):
+        super().__init__(body, media_type="text/event-stream", headers=STREAM_HEADERS)
+        self.slot, self.cancel = slot, cancel
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return await self._reject(send)
-        total = 0
-        started = False
-
-        async def limited():
-            nonlocal total
-            msg = await receive()
-            if msg["type"] == "http.request":
-                total += len(msg.get("body", b""))
-                if total > self.limit:
-                    raise _TooLarge
-            return msg
-
-        async def tracking_send(msg):
-            nonlocal started
-            if msg["type"] == "http.response.start":
-                started = True
-            await send(msg)
-
         try:
-            await self.app(scope, limited, tracking_send)
-        except _TooLarge:
-            if not started:
-                await self._reject(send)
-
-    async def _reject(self, send):
-        body = json.dumps(error_body(f"the request body is larger than {self.limit} bytes", code="too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+            await super().__call__(scope, receive, send)
+        finally:
+            self.cancel.set()
+            if not self.slot.working:
+                self.slot.release()
 
 
 class Server:
@@ -121,7 +126,7 @@ class Server:
         self.settings = settings or pipeline.spec.serve
         self.model_name = model_name or pipeline.spec.generator.model
         self.api_key = api_key
-        self.index_label = index_label
+        self.index_label = index_label  # as given (never sent back: it names this machine's folders)
         self.capacity = 1 + self.settings.queue_size
         self.admitted = 0
         self.cancelled = 0  # generations stopped early (client gone, timeout)
@@ -130,23 +135,56 @@ class Server:
         if self.settings.prefix_cache and pipeline.prefix_cache is None:
             pipeline.enable_prefix_cache(self.settings.prefix_cache)
 
+    @property
+    def index_name(self) -> str:
+        """The served index's folder name: all a client is told of where it lives."""
+        return self.pipe.retriever.index.path.name
+
     # -- admission -------------------------------------------------------------------------------------------
-    def admit(self) -> None:
+    def admit(self) -> Slot:
         with self._lock:
             if self.admitted >= self.capacity:
                 raise ApiError(503, f"the server is busy ({self.admitted} requests in the queue); retry later",
                                "server_busy", "queue_full", {"Retry-After": str(self.settings.retry_after_s)})
             self.admitted += 1
+        return Slot(self)
 
-    def release(self) -> None:
-        with self._lock:
-            self.admitted -= 1
+    async def call(self, fn: Callable):
+        """`fn()` on a worker thread under the admission limit and `serve.timeout_s` (then 504; the thread
+        keeps its slot until it ends): what search and documents run under, as asks do."""
+        slot = self.admit()
+        slot.working = True
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        except BaseException:
+            slot.release()
+            raise
+        fut.add_done_callback(lambda f: (slot.release(), f.cancelled() or f.exception()))
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.settings.timeout_s)
+        except TimeoutError:
+            raise self.timeout() from None
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - told as the client's error or the server's, never verbatim
+            raise user_error(exc) from None
+
+    def timeout(self) -> ApiError:
+        return ApiError(504, f"the request took longer than {self.settings.timeout_s:g} s", "timeout", "timeout")
+
+    def private(self, answer):
+        """The answer as a client may see it: unless `serve.report_reuse`, no count of prompt tokens reused
+        from earlier requests (they would tell one client how much of another's recent prompt matches)."""
+        if self.settings.report_reuse:
+            return answer
+        return dataclasses.replace(answer, stats=dataclasses.replace(answer.stats, prefix_reused_tokens=0,
+                                                                     cache_reused_tokens=0))
 
     # -- running a pipeline stream on a worker thread -----------------------------------------------------
-    async def events(self, make: Callable[[], Iterator], cancel: threading.Event) -> AsyncIterator:
+    async def events(self, make: Callable[[], Iterator], cancel: threading.Event, slot: Slot) -> AsyncIterator:
         """Items of `make()` (run on a generation thread) as they come. Setting `cancel` (or leaving this
         iterator) stops the worker at its next item and closes the stream, releasing the model. The admission
-        slot taken by the caller is released when the worker ends. Past `serve.timeout_s`: TimeoutError."""
+        `slot` taken by the caller is released when the worker ends. Past `serve.timeout_s`: TimeoutError."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
@@ -181,12 +219,13 @@ class Server:
                     it.close()  # GeneratorExit inside the pipeline: the model lock is released now
                 put(done)
 
+        slot.working = True
         try:
             fut = loop.run_in_executor(self.executor, work)
         except BaseException:
-            self.release()
+            slot.release()
             raise
-        fut.add_done_callback(lambda _: self.release())
+        fut.add_done_callback(lambda _: slot.release())
         deadline = time.monotonic() + self.settings.timeout_s
         try:
             while True:
@@ -198,24 +237,26 @@ class Server:
                     return
                 if isinstance(item, BaseException):
                     raise item
+                if isinstance(item, DoneEvent):
+                    item = DoneEvent(self.private(item.answer))
                 yield item
         finally:
             cancel.set()
 
-    async def final_answer(self, make: Callable[[], Iterator], cancel: threading.Event, request: Request):
+    async def final_answer(self, make: Callable[[], Iterator], cancel: threading.Event, slot: Slot,
+                           request: Request):
         """The Answer of a non-streamed request; a client that goes away cancels the generation (499), the
-        deadline is a 504, a user error a 400."""
+        deadline is a 504, a user error a 400, the server's own a generic 500/503."""
         watcher = asyncio.create_task(self.watch_disconnect(request, cancel))
         answer = None
         try:
-            async for ev in self.events(make, cancel):
+            async for ev in self.events(make, cancel, slot):
                 if isinstance(ev, DoneEvent):
                     answer = ev.answer
         except TimeoutError:
-            raise ApiError(504, f"the request took longer than {self.settings.timeout_s:g} s", "timeout",
-                           "timeout") from None
-        except RagspecError as exc:
-            raise ApiError(400, str(exc)) from None
+            raise self.timeout() from None
+        except Exception as exc:  # noqa: BLE001 - told as the client's error or the server's, never verbatim
+            raise user_error(exc) from None
         finally:
             cancel.set()
             watcher.cancel()
@@ -236,6 +277,15 @@ class Server:
             raise ApiError(400, f"max_tokens {n} is over this server's limit of {self.settings.max_tokens}",
                            code="max_tokens")
         return n
+
+
+def checked_filter(value) -> dict | None:
+    """A request's filter parsed and checked (capped) before the request is admitted: a malformed one is a
+    400 naming the field."""
+    try:
+        return as_filter(value)
+    except RagspecError as exc:
+        raise ApiError(400, str(exc), param="filter") from None
 
 
 def _sse(data, event: str | None = None) -> bytes:
@@ -279,12 +329,16 @@ def create_app(server: Server) -> FastAPI:
     s = server.settings
     app = FastAPI(title="ragspec", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    check_cors(s.cors_origins, server.api_key)
     if s.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(s.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(JsonOnly)
     app.add_middleware(BodyLimit, limit=s.max_request_bytes)
+    if server.api_key is None:  # outermost: a foreign Host reaches nothing, not even the body limit
+        app.add_middleware(HostCheck, allowed=s.allowed_hosts)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):
@@ -296,6 +350,11 @@ def create_app(server: Server) -> FastAPI:
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         return JSONResponse(error_body(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")), param=loc or None),
                             status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _failed(_: Request, exc: Exception):
+        err = user_error(exc)
+        return JSONResponse(error_body(err.message, err.type, err.code), status_code=err.status)
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException):
@@ -315,6 +374,10 @@ def create_app(server: Server) -> FastAPI:
 
     v1 = [Depends(auth)]
 
+    def stream_error(exc: Exception) -> dict:
+        err = server.timeout() if isinstance(exc, TimeoutError) else user_error(exc)
+        return error_body(err.message, err.type, err.code)
+
     # -- page and health -------------------------------------------------------------------------------------
     @app.get("/", include_in_schema=False)
     async def page():
@@ -324,7 +387,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz():
-        return {"status": "ok", "model": server.model_name, "index": server.pipe.retriever.index.path.name,
+        return {"status": "ok", "model": server.model_name, "index": server.index_name,
                 "queued": server.admitted, "capacity": server.capacity, "cancelled": server.cancelled,
                 "prompt_cache_mb": round(server.pipe.prompt_cache_bytes / 2 ** 20, 1), "auth": server.api_key is not None}
 
@@ -335,11 +398,11 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/v1/documents/{document_id}", dependencies=v1)
     async def document(document_id: int):
-        index = server.pipe.retriever.index
         if not 0 <= document_id < 2**63:  # SQLite's integer range: a larger id overflowed into a 500
             raise ApiError(404, f"no document {document_id} in this index", "not_found_error", "document_not_found")
 
         def read():
+            index = server.pipe.retriever.index
             try:
                 row, text, *_ = index.store.document_full(document_id)
             except (KeyError, TypeError):
@@ -347,40 +410,41 @@ def create_app(server: Server) -> FastAPI:
             return {"id": row.id, "path": index.source_path(row.path), "key": row.key, "title": row.title,
                     "text": text}
 
-        doc = await asyncio.to_thread(read)
+        doc = await server.call(read)
         if doc is None:
             raise ApiError(404, f"no document {document_id} in this index", "not_found_error", "document_not_found")
         return doc
 
     @app.post("/v1/search", dependencies=v1)
     async def search(req: SearchRequest):
-        try:
-            hits = await asyncio.to_thread(server.pipe.retriever.search, req.query, top_n=req.k, filter=req.filter)
-        except RagspecError as exc:  # a filter naming an unknown field, or one that cannot be read
-            raise ApiError(400, str(exc)) from None
-        return {"index": server.index_label, "query": req.query, "results": [h.as_json() for h in hits]}
+        flt = checked_filter(req.filter)
+        hits = await server.call(lambda: server.pipe.retriever.search(req.query, top_n=req.k, filter=flt))
+        return {"index": server.index_name, "query": req.query, "results": [h.as_json() for h in hits]}
 
     # -- /v1/ask -----------------------------------------------------------------------------------------
     @app.post("/v1/ask", dependencies=v1)
     async def ask(req: AskRequest, request: Request):
         max_new = server.check_tokens(req.max_tokens)
+        if len(req.history) >= s.max_messages:
+            raise ApiError(400, f"at most {s.max_messages - 1} turns of history per request", param="history")
         history = [t.model_dump() for t in req.history]
         if history and history[0]["role"] != "user":
             raise ApiError(400, "history must start with a user turn", param="history")
-        server.admit()
+        flt = checked_filter(req.filter)
+        slot = server.admit()
         cancel = threading.Event()
 
         def make():
             return server.pipe.stream(req.question, max_new_tokens=max_new, history=history or None,
-                                      filter=req.filter, cancel=cancel)
+                                      filter=flt, cancel=cancel)
 
         if not req.stream:
-            answer = await server.final_answer(make, cancel, request)
+            answer = await server.final_answer(make, cancel, slot, request)
             return answer.as_json()
 
         async def body():
             try:
-                async for ev in server.events(make, cancel):
+                async for ev in server.events(make, cancel, slot):
                     if isinstance(ev, SourcesEvent):
                         yield _sse({"sources": [source_json(x) for x in ev.sources], "warnings": ev.warnings,
                                     "retrieval_ms": round(ev.retrieval_ms, 3)}, "sources")
@@ -390,15 +454,12 @@ def create_app(server: Server) -> FastAPI:
                         yield _sse(ev.citation.as_json(), "citation")
                     elif isinstance(ev, DoneEvent):
                         yield _sse(ev.answer.as_json(), "done")
-            except TimeoutError:
-                yield _sse(error_body(f"the request took longer than {s.timeout_s:g} s", "timeout", "timeout"), "error")
-            except RagspecError as exc:
-                yield _sse(error_body(str(exc)), "error")
+            except Exception as exc:  # noqa: BLE001 - an error event, never a dropped stream
+                yield _sse(stream_error(exc), "error")
             finally:
                 cancel.set()
 
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return EventStream(body(), slot, cancel)
 
     # -- /v1/chat/completions ------------------------------------------------------------------------------
     @app.post("/v1/chat/completions", dependencies=v1)
@@ -411,13 +472,13 @@ def create_app(server: Server) -> FastAPI:
         question, history, instructions = _chat_inputs(req, s.max_messages)
         max_new = server.check_tokens(req.max_completion_tokens or req.max_tokens)
         stop = req.stop_list()
-        server.admit()
+        slot = server.admit()
         cancel = threading.Event()
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def make():
             return server.pipe.stream(question, max_new_tokens=max_new, stop=stop or None,
-                                      temperature=req.temperature, history=history or None,
+                                      temperature=req.temperature, seed=req.seed, history=history or None,
                                       instructions=instructions, cancel=cancel)
 
         def usage(answer) -> Usage:
@@ -427,7 +488,7 @@ def create_app(server: Server) -> FastAPI:
             return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, prompt_tokens_details=cached)
 
         if not req.stream:
-            answer = await server.final_answer(make, cancel, request)
+            answer = await server.final_answer(make, cancel, slot, request)
             doc = answer.as_json()
             extra = {k: doc[k] for k in ("sources", "citations", "stats", "warnings")}
             return ChatCompletion(
@@ -443,7 +504,7 @@ def create_app(server: Server) -> FastAPI:
 
         async def body():
             try:
-                async for ev in server.events(make, cancel):
+                async for ev in server.events(make, cancel, slot):
                     if isinstance(ev, SourcesEvent):
                         yield chunk(Delta(role="assistant", content=""),
                                     extra={"sources": [source_json(x) for x in ev.sources], "warnings": ev.warnings})
@@ -458,15 +519,12 @@ def create_app(server: Server) -> FastAPI:
                                     {"stats": a.stats.as_json(), "citations": [c.as_json() for c in a.citations]},
                                     usage(a))
                 yield _sse("[DONE]")
-            except TimeoutError:
-                yield _sse(error_body(f"the request took longer than {s.timeout_s:g} s", "timeout", "timeout"))
-            except RagspecError as exc:
-                yield _sse(error_body(str(exc)))
+            except Exception as exc:  # noqa: BLE001 - an error chunk, never a dropped stream
+                yield _sse(stream_error(exc))
             finally:
                 cancel.set()
 
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return EventStream(body(), slot, cancel)
 
     return app
 
@@ -478,21 +536,6 @@ def build_server(index: str | Path, spec=None, *, api_key: str | None = None, pi
     pipe.retriever  # noqa: B018 — open the index now: a bad path fails before the model loads
     pipe.load()
     return Server(pipe, pipe.spec.serve, api_key=api_key, index_label=str(index))
-
-
-def check_bind(host: str, api_key: str | None) -> None:
-    """Loopback needs no key; any other address does."""
-    import ipaddress
-
-    if host == "localhost":
-        return
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and not api_key:
-        raise RagspecError(f"binding {host} (not loopback) needs --api-key: every /v1 request must then carry "
-                           "Authorization: Bearer KEY")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP, MAX_STOP_CHARS = 4, 200  # OpenAI's own limit on stop sequences; a length no stop phrase needs
 
 
 class _Lenient(BaseModel):
@@ -60,12 +62,21 @@ class ChatCompletionRequest(_Lenient):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63, description="the sampling seed (with a temperature above 0)")
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, v):
+        """Every stop sequence is looked for after every step: a few short ones."""
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP or any(len(x) > MAX_STOP_CHARS for x in stops):
+            raise ValueError(f"at most {MAX_STOP} stop sequences of up to {MAX_STOP_CHARS} characters each")
+        return v
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [x for x in ([self.stop] if isinstance(self.stop, str) else self.stop) if x]
 
 
 class PromptTokensDetails(BaseModel):
