@@ -229,9 +229,10 @@ def test_malformed_where_on_the_command_line_is_one_line(indexes):
     path = str(indexes["flat"].path)
     for name in ("invalid date", "number past float", "past int's digit limit", "300,000 spaces"):
         where, words = MALFORMED[name]
-        res = CliRunner().invoke(app, ["search", "--index", path, "fox", "--where", where])
-        lines = [line for line in res.output.splitlines() if line.strip()]
-        assert res.exit_code == 2 and len(lines) == 1 and words in lines[0], res.output[:300]
+        for args in (["search", "--index", path, "fox"], ["ask", "--index", "/nowhere", "fox"]):
+            res = CliRunner().invoke(app, [*args, "--where", where])
+            lines = [line for line in res.output.splitlines() if line.strip()]
+            assert res.exit_code == 2 and len(lines) == 1 and words in lines[0], res.output[:300]
 
 
 def test_a_document_value_shaped_like_a_date_but_none_compares_as_text():

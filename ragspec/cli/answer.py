@@ -41,6 +41,10 @@ def ask(
     def body():
         if max_new_tokens is not None and max_new_tokens < 1:
             raise RagspecError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
+        if where:  # a malformed filter is one line now, before an index, a model or a server is reached
+            from ragspec.index.filters import as_filter
+
+            as_filter(list(where))
         if server:
             _ask_server(server, api_key, question, index_path, max_new_tokens, where, as_json, no_stream,
                         {"--pipeline": spec, "--model": model, "--drafting": method,
