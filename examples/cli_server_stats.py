@@ -35,7 +35,18 @@ def free_port() -> int:
 
 
 def start_server(index, pipeline, port, timeout_s=900):
-    cmd = RAGSPEC + ["serve", "--index", index, "--port", str(port)] + (["--pipeline", pipeline] if pipeline else [])
+    """`ragspec serve` with the pipeline, told to report the prompt tokens it reuses (`serve.report_reuse`: off
+    by default, since a client could learn from it how much of another client's prompt matched its own)."""
+    import tempfile
+
+    from ragspec.spec import load_spec
+
+    data = load_spec(pipeline).model_dump()
+    data["serve"]["report_reuse"] = True
+    spec = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)  # JSON is YAML
+    with spec:
+        json.dump(data, spec)
+    cmd = RAGSPEC + ["serve", "--index", index, "--port", str(port), "--pipeline", spec.name]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
