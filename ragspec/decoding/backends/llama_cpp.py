@@ -200,9 +200,10 @@ class LlamaCppModel:
                 on_progress(a + len(chunk), len(tokens))
         check_cancel(cancel)
 
-    def greedy(self, prompt: list[int], n: int, eos=()) -> list[int]:
+    def greedy(self, prompt: list[int], n: int, eos=(), on_first=None) -> list[int]:
         """llama.cpp's own greedy decoding, the reference: the prompt in `n_batch` chunks, then one token per
-        decode, each the argmax of the last logits."""
+        decode, each the argmax of the last logits. `on_first()` is called once the first token is known (a
+        bench times llama.cpp's own prefill by it)."""
         self.clear()
         self.feed(prompt, 0, last_logits=True)
         out, pos = [], len(prompt)
@@ -210,6 +211,8 @@ class LlamaCppModel:
         while len(out) < n:
             tok = int(np.argmax(self.row(idx)))
             out.append(tok)
+            if on_first is not None and len(out) == 1:
+                on_first()
             if tok in eos:
                 break
             self.decode([(tok, pos, [0], True)])
