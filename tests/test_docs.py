@@ -246,3 +246,12 @@ def test_readme_headline_table_is_rendered_from_benchmarks(tmp_path):
     assert render.main(["--check", "--root", str(tmp_path)]) == 1
     assert render.main(["--root", str(tmp_path)]) == 0 and (tmp_path / "README.md").read_text() == readme
 
+
+def test_readme_is_short_and_its_tables_cells_too():
+    """README: at most 200 lines, no table cell over 200 characters; the guide pages under ~400 lines each."""
+    lines = _text(ROOT / "README.md").splitlines()
+    assert len(lines) <= 200
+    cells = [c for line in lines if line.startswith("|") for c in line.strip("|").split(" | ")]
+    assert max(len(c) for c in cells) <= 200
+    for page in ("pipelines", "decoding", "models", "serving"):
+        assert len(_text(ROOT / "docs" / f"{page}.md").splitlines()) <= 420, page
