@@ -374,11 +374,16 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
         for m in methods:
             if m == CEILING:
                 drafters[m].reference = list(ref)
+            own = _llama_of(m, model)
+            if own is not None:
+                own.perf(reset=True)
             toks, total_ms, first_ms, first_n, stats = _run_one(m, model, tokenizer, prompt, max_new_tokens, eos,
                                                                 drafters, budgets)
             # each method's own prefill (its time to its first token) and its decode after it
             times[m] = {"ms": round(total_ms, 1), "prefill_ms": round(first_ms, 1), "tokens": len(toks),
                         "steps": stats["steps"] if stats else None}
+            if own is not None:  # llama.cpp's own timers of the same run, beside the bench's
+                times[m]["llama_cpp_timers"] = own.perf()
             if m == "vanilla":
                 ref = toks
                 outputs[str(row.get("question_id", n))] = list(toks)
@@ -464,6 +469,13 @@ def _rates(a: dict) -> dict:
     per_s = lambda n, ms: n / (ms / 1000) if ms > 0 else 0.0  # noqa: E731
     return {"end_to_end": per_s(a["tokens"], a["total_ms"]), "prefill": per_s(a["prefill_tokens"], a["prefill_ms"]),
             "decode": per_s(a["decode_tokens"], a["decode_ms"])}
+
+
+def _llama_of(m: str, model):
+    """The llama.cpp model a plain llama.cpp greedy row runs on (`llama`, or vanilla on the llama.cpp backend)."""
+    if m == LLAMA:
+        return model._ragspec_llama_peer
+    return model if m == "vanilla" and is_llama(model) else None
 
 
 def _run_one(m, model, tokenizer, prompt, max_new, eos, drafters, budgets):
