@@ -16,7 +16,7 @@ NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 CPU_KEY := $(shell (grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m) | md5sum | cut -c1-12)
 LLAMA_STAMP := $(VENV)/.llama-cpp-$(CPU_KEY)-noamx
 
-.PHONY: install lint docs test quickstart gpu-payload
+.PHONY: install lint docs test quickstart gpu-payload benchmarks
 
 install: $(STAMP) $(LLAMA_STAMP)
 
@@ -60,6 +60,11 @@ lint: install
 # The docs site (docs/, mkdocs.yml) served at http://127.0.0.1:8000 while you edit it.
 docs: install
 	$(VENV)/bin/mkdocs serve
+
+# README's headline table from the bench JSONs under benchmarks/ (benchmarks/headline.yaml picks the rows);
+# tests/test_docs.py runs it with --check.
+benchmarks: $(STAMP)
+	$(PY) -m ragspec.bench.render
 
 test: lint
 	$(PY) -m pytest -q

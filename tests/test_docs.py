@@ -227,3 +227,31 @@ def test_no_module_is_over_600_lines():
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / "ragspec").rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600}
     assert not long, long
+
+
+def test_readme_headline_table_is_rendered_from_benchmarks(tmp_path):
+    """README's headline table is what `make benchmarks` renders from the JSONs under benchmarks/ (`--check`),
+    within its limits (12 rows, no cell over 200 characters); a figure changed by hand fails here."""
+    from ragspec.bench import render
+
+    assert render.main(["--check"]) == 0, "README's headline table differs from benchmarks/: run `make benchmarks`"
+    table = render.render().splitlines()[3:-1]
+    assert 0 < len(table) <= render.MAX_ROWS
+    # the check bites: a README whose table says another figure fails, and rendering puts it back
+    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
+    readme = _text(ROOT / "README.md")
+    first = table[0].split(" | ")
+    wrong = readme.replace(table[0], " | ".join(first[:2] + ["9.99×"] + first[3:]))
+    (tmp_path / "README.md").write_text(wrong, encoding="utf-8")
+    assert render.main(["--check", "--root", str(tmp_path)]) == 1
+    assert render.main(["--root", str(tmp_path)]) == 0 and (tmp_path / "README.md").read_text() == readme
+
+
+def test_readme_is_short_and_its_tables_cells_too():
+    """README: at most 200 lines, no table cell over 200 characters; the guide pages under ~400 lines each."""
+    lines = _text(ROOT / "README.md").splitlines()
+    assert len(lines) <= 200
+    cells = [c for line in lines if line.startswith("|") for c in line.strip("|").split(" | ")]
+    assert max(len(c) for c in cells) <= 200
+    for page in ("pipelines", "decoding", "models", "serving"):
+        assert len(_text(ROOT / "docs" / f"{page}.md").splitlines()) <= 420, page

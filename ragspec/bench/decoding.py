@@ -27,6 +27,7 @@ from ragspec.decoding.budget import AdaptiveBudget
 from ragspec.decoding.drafters import METHODS, make_drafter
 from ragspec.decoding.drafters.base import DraftState
 from ragspec.decoding.generate import SpeculativeGenerator
+from ragspec.decoding.prompt_mode import prompt_copy
 from ragspec.errors import RagspecError
 from ragspec.models.machine import machine_info
 
@@ -49,6 +50,28 @@ def bench_machine() -> dict:
     """The bench JSON's one "machine" block: the CPU (model, threads, cores, every SIMD flag of `cpu_info`) and
     its measured matmul ceilings (`models.machine.machine_info`)."""
     return machine_info() | {"flags": cpu_info()["flags"]}
+
+
+def model_dtype(model) -> str:
+    """The weights' format a bench ran: gguf (ragspec's kernels on the GGUF's blocks, or llama.cpp itself), int8,
+    or the torch dtype."""
+    if is_llama(model) or getattr(model, "ragspec_gguf", None):
+        return "gguf"
+    if getattr(model, "ragspec_int8", None) is not None:
+        return "int8"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def llama_build(model) -> dict:
+    """Which llama.cpp ran: llama-cpp-python's version, ggml's system line (its SIMD and AMX kernels), whether
+    the repacked weight buffers were on, and its threads (the same as ragspec's in a bench)."""
+    import llama_cpp
+
+    from ragspec.decoding.backends.llama_cpp import model_params
+
+    lc = llama_cpp.llama_cpp
+    return {"version": llama_cpp.__version__, "system_info": lc.llama_print_system_info().decode().strip(),
+            "extra_buffers": bool(model_params(lc).use_extra_bufts), "threads": model.n_threads}
 
 
 def load_prompts(path: Path, category: str, limit: int | None, offset: int = 0) -> list[dict]:
@@ -135,7 +158,8 @@ def category_table(result: dict) -> dict:
     table = {}
     for cat, r in result["categories"].items():
         table[cat] = {m: {"speedup": v["speedup"], "mean_accepted": v["mean_accepted"],
-                          "of_ceiling": v.get("of_ceiling"), "identical": v["identical"], "prompts": r["prompts"]}
+                          "of_ceiling": v.get("of_ceiling"), "identical": v["identical"], "prompts": r["prompts"],
+                          "vs_llama": v.get("vs_llama")}
                       for m, v in r["methods"].items()}
     return table
 
@@ -146,25 +170,47 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
-def hf_generate(model, prompt: list[int], max_new: int, eos: list[int], lookup: int = 0) -> tuple[list[int], float]:
+class _FirstToken:
+    """An HF streamer that notes when `generate` hands out its first new token(s): that method's own prefill
+    (its first `put` is the prompt itself)."""
+
+    def __init__(self, start: float):
+        self.start, self.puts, self.first_ms, self.first_n = start, 0, None, 0
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_ms, self.first_n = (time.perf_counter() - self.start) * 1000, int(value.numel())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_generate(model, prompt: list[int], max_new: int, eos: list[int], lookup: int = 0):
+    """(tokens, total ms, ms to the first token, tokens given with it) of HF `generate`, greedy."""
     # plain greedy prefills in the chunks ragspec's backend uses (same kernels, same numerics); HF's assisted
     # decoding has no chunked prefill
     ids = torch.tensor([prompt], device=model.device)
     t = time.perf_counter()
+    first = _FirstToken(t)
     kw = {"prompt_lookup_num_tokens": lookup} if lookup else generate_kwargs(model, prompt)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
-                             eos_token_id=eos, pad_token_id=eos[0], **kw)
-    return out[0, len(prompt):].tolist(), (time.perf_counter() - t) * 1000
+                             eos_token_id=eos, pad_token_id=eos[0], streamer=first, **kw)
+    total = (time.perf_counter() - t) * 1000
+    return out[0, len(prompt):].tolist(), total, total if first.first_ms is None else first.first_ms, first.first_n or 1
 
 
-def llama_generate(model, prompt: list[int], max_new: int, eos: list[int], lookup: int = 0) -> tuple[list[int], float]:
-    """llama.cpp's greedy decoding (`LlamaCppModel.greedy`), or with `lookup`, llama-cpp-python's high-level
-    `Llama` with `LlamaPromptLookupDecoding` drafting `lookup` tokens (greedy: top_k=1)."""
+def llama_generate(model, prompt: list[int], max_new: int, eos: list[int], lookup: int = 0):
+    """(tokens, total ms, ms to the first token, 1) of llama.cpp's greedy decoding (`LlamaCppModel.greedy`), or
+    with `lookup`, of llama-cpp-python's high-level `Llama` with `LlamaPromptLookupDecoding` drafting `lookup`
+    tokens (greedy: top_k=1). The first token is timed as llama.cpp hands it out: its own prefill."""
     if not lookup:
         t = time.perf_counter()
-        toks = model.greedy(prompt, max_new, set(eos))
-        return toks, (time.perf_counter() - t) * 1000
+        first = []
+        toks = model.greedy(prompt, max_new, set(eos), on_first=lambda: first.append(time.perf_counter()))
+        end = time.perf_counter()
+        return toks, (end - t) * 1000, ((first[0] if first else end) - t) * 1000, 1
     peer = getattr(model, "_pld_peer", None)
     if peer is None:
         import llama_cpp
@@ -188,26 +234,14 @@ def llama_generate(model, prompt: list[int], max_new: int, eos: list[int], looku
             low.llama_model_default_params = defaults
     out = []
     t = time.perf_counter()
+    first = None
     for tok in peer.generate(prompt, top_k=1, temp=0.0, reset=True):
+        first = first or time.perf_counter()
         out.append(int(tok))
         if tok in eos or len(out) >= max_new:
             break
-    return out, (time.perf_counter() - t) * 1000
-
-
-def prefill_ms(model, prompt: list[int]) -> float:
-    if is_llama(model):
-        t = time.perf_counter()
-        model.clear()
-        model.feed(prompt, 0, last_logits=True)
-        return (time.perf_counter() - t) * 1000
-    ids = torch.tensor([prompt], device=model.device)
-    t = time.perf_counter()
-    with torch.inference_mode():
-        model(input_ids=ids, logits_to_keep=1)
-    if ids.device.type == "cuda":  # the forward only queued its kernels
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t) * 1000
+    end = time.perf_counter()
+    return out, (end - t) * 1000, ((first or end) - t) * 1000, 1
 
 
 def top2_margin(model, prompt: list[int], prefix: list[int]) -> float:
@@ -323,7 +357,11 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
             "budget": budget if isinstance(budget, int) else "auto", "cost_model": cost.as_dict() if cost else None,
             "machine": bench_machine(), "device": str(getattr(model, "device", "cpu")),
             "source_budget": None,  # Spec-Bench prompts are sent whole (no prompt.source_tokens); see per_prompt
-            "backend": describe(model)}
+            "backend": describe(model), "dtype": model_dtype(model), "prompt_copy": prompt_copy(model),
+            "reference": "vanilla"}
+    peer = model if is_llama(model) else getattr(model, "_ragspec_llama_peer", None)
+    if peer is not None:
+        head["llama_cpp"] = llama_build(peer)
 
     def summary(done: int) -> dict:
         return {**_summarize(acc, hist, divergences, identical, memory, methods, done, len(prompts), head),
@@ -331,22 +369,31 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
 
     for n, row in enumerate(prompts):
         prompt = chat_ids(tokenizer, row["turns"][0])
-        pre = prefill_ms(model, prompt)
         ref = None
-        times = {"prompt": row.get("question_id", n), "prompt_tokens": len(prompt), "prefill_ms": round(pre, 1)}
+        times = {"prompt": row.get("question_id", n), "prompt_tokens": len(prompt)}
         for m in methods:
             if m == CEILING:
                 drafters[m].reference = list(ref)
-            toks, total_ms, stats = _run_one(m, model, tokenizer, prompt, max_new_tokens, eos, drafters, budgets)
-            times[m] = {"ms": round(total_ms, 1), "tokens": len(toks), "steps": stats["steps"] if stats else None}
+            own = _llama_of(m, model)
+            if own is not None:
+                own.perf(reset=True)
+            toks, total_ms, first_ms, first_n, stats = _run_one(m, model, tokenizer, prompt, max_new_tokens, eos,
+                                                                drafters, budgets)
+            # each method's own prefill (its time to its first token) and its decode after it
+            times[m] = {"ms": round(total_ms, 1), "prefill_ms": round(first_ms, 1), "tokens": len(toks),
+                        "steps": stats["steps"] if stats else None}
+            if own is not None:  # llama.cpp's own timers of the same run, beside the bench's
+                times[m]["llama_cpp_timers"] = own.perf()
             if m == "vanilla":
                 ref = toks
                 outputs[str(row.get("question_id", n))] = list(toks)
             a = acc[m]
             a["tokens"] += len(toks)
             a["total_ms"] += total_ms
-            a["decode_ms"] += stats["decode_ms"] if stats else max(total_ms - pre, 1e-6)
-            a["decode_tokens"] += len(toks) if stats else max(len(toks) - 1, 0)
+            a["prefill_ms"] += first_ms
+            a["prefill_tokens"] += len(prompt)
+            a["decode_ms"] += max(total_ms - first_ms, 1e-6)
+            a["decode_tokens"] += max(len(toks) - first_n, 0)
             if stats:
                 a["steps"] += stats["steps"]
                 a["draft_ms"] += stats["draft_ms"]
@@ -356,6 +403,8 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
                 for part, ms in stats["step_ms"].items():
                     a["step_" + part] += ms
                 hist[m].extend(stats["accepted_lengths"])
+            if m == "vanilla":  # the reference: compared with itself it would only pad the count
+                continue
             if m == LLAMA:  # another verifier of the same GGUF: its greedy is its own, not compared
                 continue
             if toks == ref:
@@ -377,23 +426,29 @@ def run_bench(model, tokenizer, prompts: list[dict], methods: list[str], max_new
 
 
 def _summarize(acc, hist, divergences, identical, memory, methods, done, total, head) -> dict:
-    van = acc["vanilla"]
-    van_tps = van["tokens"] / (van["total_ms"] / 1000)
+    rates = {m: _rates(acc[m]) for m in methods}
+    van_tps = rates["vanilla"]["end_to_end"]
+    llama = rates.get(LLAMA) if LLAMA in methods else None
     result = {**head, "prompts": done, "complete": done == total, "methods": {}}
     for m in methods:
         a = acc[m]
-        tps = a["tokens"] / (a["total_ms"] / 1000)
+        tps = rates[m]["end_to_end"]
         steps = a["steps"]
         result["methods"][m] = {
             "tokens_per_s": round(tps, 3),
-            "decode_tokens_per_s": round(a["decode_tokens"] / (a["decode_ms"] / 1000), 3),
+            "prefill_ms": round(a["prefill_ms"] / done, 1),  # mean time to the first token
+            "prefill_tokens_per_s": round(rates[m]["prefill"], 1),
+            "decode_tokens_per_s": round(rates[m]["decode"], 3),
             "speedup": round(tps / van_tps, 3),
+            # the same three rates as ratios to plain llama.cpp's: what the prompt read and the decoding each add
+            "vs_llama": {k: round(v / llama[k], 3) if llama[k] else None for k, v in rates[m].items()}
+                        if llama else None,
             "mean_accepted": round(a["tokens"] / steps, 3) if steps else None,
             "draft_ms_per_step": round(a["draft_ms"] / steps, 3) if steps else None,
             "verify_ms_per_step": round(a["verify_ms"] / steps, 3) if steps else None,
             "draft_share": round(a["draft_ms"] / (a["draft_ms"] + a["verify_ms"]), 4) if steps else None,
             "tree_nodes_per_step": round(a["tree_nodes"] / steps, 2) if steps else None,
-            "identical": None if m == LLAMA else identical[m],
+            "identical": None if m in (LLAMA, "vanilla") else identical[m],
             "divergences": divergences[m],
             "accepted_histogram": _histogram(hist[m]) if hist[m] else None,
             "drafter_memory_mb_4k": memory.get(m),
@@ -408,26 +463,38 @@ def _summarize(acc, hist, divergences, identical, memory, methods, done, total, 
     return result
 
 
-def _run_one(m, model, tokenizer, prompt, max_new, eos, drafters, budgets):
-    if m in LLAMA_METHODS and is_llama(model):
-        toks, ms = llama_generate(model, prompt, max_new, eos, lookup=10 if m == "llama-pld" else 0)
-        return toks, ms, None
+def _rates(a: dict) -> dict:
+    """Tokens per second end to end, of prompt read (prompt tokens over time to the first token) and of decode
+    (tokens after the first over the time after it)."""
+    per_s = lambda n, ms: n / (ms / 1000) if ms > 0 else 0.0  # noqa: E731
+    return {"end_to_end": per_s(a["tokens"], a["total_ms"]), "prefill": per_s(a["prefill_tokens"], a["prefill_ms"]),
+            "decode": per_s(a["decode_tokens"], a["decode_ms"])}
+
+
+def _llama_of(m: str, model):
+    """The llama.cpp model a plain llama.cpp greedy row runs on (`llama`, or vanilla on the llama.cpp backend)."""
     if m == LLAMA:
-        toks, ms = llama_generate(model._ragspec_llama_peer, prompt, max_new, eos)
-        return toks, ms, None
-    if m == "vanilla":
-        toks, ms = hf_generate(model, prompt, max_new, eos)
-        return toks, ms, None
-    if m == "hf-pld":
-        toks, ms = hf_generate(model, prompt, max_new, eos, lookup=10)
-        return toks, ms, None
+        return model._ragspec_llama_peer
+    return model if m == "vanilla" and is_llama(model) else None
+
+
+def _run_one(m, model, tokenizer, prompt, max_new, eos, drafters, budgets):
+    """(tokens, total ms, ms to the first token, tokens given with it, ragspec's step stats or None)."""
+    if m in LLAMA_METHODS and is_llama(model):
+        return *llama_generate(model, prompt, max_new, eos, lookup=10 if m == "llama-pld" else 0), None
+    if m == LLAMA:
+        return *llama_generate(model._ragspec_llama_peer, prompt, max_new, eos), None
+    if m in HF_METHODS:
+        return *hf_generate(model, prompt, max_new, eos, lookup=10 if m == "hf-pld" else 0), None
     gen = SpeculativeGenerator(model, tokenizer, drafter=drafters[m], max_new_tokens=max_new, eos_token_ids=eos,
                                budget=budgets[m])
     t = time.perf_counter()
     for _ in gen.stream(prompt):
         pass
     ms = (time.perf_counter() - t) * 1000
-    return gen.tokens, ms, gen.stats.as_dict()
+    stats = gen.stats.as_dict()
+    # greedy: the first token is known when the prefill ends (the loop streams it before the first step)
+    return gen.tokens, ms, min(stats["prefill_ms"], ms), 1, stats
 
 
 def _histogram(lengths: list[int]) -> dict:

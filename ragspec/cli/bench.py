@@ -159,7 +159,7 @@ def bench(
         quiet_libraries()
         if merge:
             return _merge_runs(merge, json_out)
-        from ragspec.bench.decoding import load_prompts, plot, run_bench
+        from ragspec.bench.decoding import LLAMA, load_prompts, plot, run_bench
         from ragspec.console import progress
         from ragspec.models.generator import load_generator
 
@@ -212,17 +212,22 @@ def bench(
         if plot_out:
             plot(result, plot_out)
 
-        label = backend if backend == "llama.cpp" else f"{backend}/{_dtype_of(lm)}"
+        label = backend if backend == "llama.cpp" else f"{backend}/{result['dtype']}"
         t = Table(title=f"{model} ({label}) — {category}, {len(rows)} prompts, {max_new_tokens} new tokens")
-        for col in ("method", "tok/s", "decode tok/s", "speed-up", "of ceiling", "tok/step", "nodes/step",
+        vs = LLAMA in result["methods"]
+        for col in ("method", "tok/s", "prefill tok/s", "decode tok/s", "speed-up",
+                    *(["vs llama: e2e · prefill · decode"] if vs else []), "of ceiling", "tok/step", "nodes/step",
                     "draft · inputs · forward · accept · trim (ms/step)", "identical", "mem MB"):
             t.add_column(col, justify="left" if col == "method" else "right")
         for m, r in result["methods"].items():
             f = lambda v, fmt="{:.2f}": "–" if v is None else fmt.format(v)  # noqa: E731
             split = " · ".join(f"{v:.1f}" for v in r["step_ms"].values()) if r.get("step_ms") else "–"
-            t.add_row(m, f(r["tokens_per_s"]), f(r["decode_tokens_per_s"]), f(r["speedup"], "{:.2f}×"),
-                      f(r.get("of_ceiling"), "{:.0%}"), f(r["mean_accepted"]), f(r["tree_nodes_per_step"]), split,
-                      "–" if r["identical"] is None else f"{r['identical']}/{len(rows)}", f(r["drafter_memory_mb_4k"]))
+            ratios = [" · ".join(f(r["vs_llama"][k], "{:.2f}×") for k in ("end_to_end", "prefill", "decode"))] if vs else []
+            t.add_row(m, f(r["tokens_per_s"]), f(r["prefill_tokens_per_s"], "{:.0f}"), f(r["decode_tokens_per_s"]),
+                      f(r["speedup"], "{:.2f}×"), *ratios, f(r.get("of_ceiling"), "{:.0%}"), f(r["mean_accepted"]),
+                      f(r["tree_nodes_per_step"]), split,
+                      "reference" if m == "vanilla" else "–" if r["identical"] is None else f"{r['identical']}/{len(rows)}",
+                      f(r["drafter_memory_mb_4k"]))
         out.print(t)
         _print_machine(out, result)
 
@@ -265,14 +270,6 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _dtype_of(lm) -> str:
-    if getattr(lm, "ragspec_gguf", None):
-        return "gguf"
-    if getattr(lm, "ragspec_int8", None) is not None:
-        return "int8"
-    return str(next(lm.parameters()).dtype).removeprefix("torch.")
-
-
 def _merge_runs(paths: list[str], json_out: Path | None) -> None:
     from rich.console import Console
 
@@ -301,7 +298,8 @@ def _merge_runs(paths: list[str], json_out: Path | None) -> None:
 
 def _category_table(result: dict, model: str, backend: str, max_new_tokens: int):
     """`bench --category all`: one row per category, a column per method: speed-up over vanilla (tokens per
-    step); the oracle column is the ceiling; identical counts every method's outputs."""
+    step); the oracle column is the ceiling; identical counts the outputs of the methods checked against
+    vanilla (neither vanilla itself nor `llama`)."""
     from rich.table import Table
 
     cats = result["table"]
@@ -316,7 +314,8 @@ def _category_table(result: dict, model: str, backend: str, max_new_tokens: int)
         n = next(iter(row.values()))["prompts"]
         cells = [f"{v['speedup']:.2f}×" + (f" ({v['mean_accepted']:.2f})" if v["mean_accepted"] else "")
                  for v in row.values()]
-        checked = [v["identical"] for v in row.values() if v["identical"] is not None]  # `llama` is not compared
+        # the reference (vanilla) and plain llama.cpp are not compared: only the methods checked against vanilla
+        checked = [v["identical"] for v in row.values() if v["identical"] is not None]
         t.add_row(cat, str(n), *cells, f"{sum(checked)}/{n * len(checked)}")
     return t
 

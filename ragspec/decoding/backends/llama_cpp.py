@@ -109,6 +109,7 @@ class LlamaCppModel:
         cp.n_seq_max = MAX_SEQS
         cp.kv_unified = True  # one cache all sequences share (the tree's sequences share the whole prefix)
         cp.n_threads = cp.n_threads_batch = self.n_threads
+        cp.no_perf = False  # llama.cpp's own prompt and decode timers (`perf`): a bench reports them
         self.ctx = lc.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise RagspecError(f"llama.cpp cannot create a context for {self.path}")
@@ -138,6 +139,18 @@ class LlamaCppModel:
             self.close()
         except Exception:  # noqa: BLE001 - a destructor never raises
             pass
+
+    def perf(self, reset: bool = False) -> dict:
+        """llama.cpp's own timers since the last reset: the prompt's batches (`prompt_ms`, `prompt_tokens`) and
+        the one-token decodes (`decode_ms`, `decode_tokens`), as its `llama_perf_context` counts them."""
+        # llama.cpp adds a decode to its timers when its logits are synchronized: flush one still pending
+        self.lc.llama_synchronize(self.ctx)
+        d = self.lc.llama_perf_context(self.ctx)
+        out = {"prompt_ms": round(d.t_p_eval_ms, 1), "prompt_tokens": d.n_p_eval, "decode_ms": round(d.t_eval_ms, 1),
+               "decode_tokens": d.n_eval}
+        if reset:
+            self.lc.llama_perf_context_reset(self.ctx)
+        return out
 
     # -- primitives the backend, the calibration and the tests share ---------------------------------------
     def clear(self) -> None:
@@ -200,9 +213,10 @@ class LlamaCppModel:
                 on_progress(a + len(chunk), len(tokens))
         check_cancel(cancel)
 
-    def greedy(self, prompt: list[int], n: int, eos=()) -> list[int]:
+    def greedy(self, prompt: list[int], n: int, eos=(), on_first=None) -> list[int]:
         """llama.cpp's own greedy decoding, the reference: the prompt in `n_batch` chunks, then one token per
-        decode, each the argmax of the last logits."""
+        decode, each the argmax of the last logits. `on_first()` is called once the first token is known (a
+        bench times llama.cpp's own prefill by it)."""
         self.clear()
         self.feed(prompt, 0, last_logits=True)
         out, pos = [], len(prompt)
@@ -210,7 +224,9 @@ class LlamaCppModel:
         while len(out) < n:
             tok = int(np.argmax(self.row(idx)))
             out.append(tok)
-            if tok in eos:
+            if on_first is not None and len(out) == 1:
+                on_first()
+            if tok in eos or len(out) == n:  # the last token is not decoded: nothing reads its logits
                 break
             self.decode([(tok, pos, [0], True)])
             pos, idx = pos + 1, 0
