@@ -7,7 +7,7 @@ default pipeline's retrieved sources: the time to measure the question against t
 (the relevance gate's and the source budget's one embedding call) with the stored vectors, and as before them, everything embedded at ask
 time: with nothing remembered (the first ask over those sources) and with every window remembered (a warm
 process that has seen those sources);
-the largest score difference, and whether the gate's verdict (the default 0.5B's band, 0.49 / 0.58) or the
+the largest score difference, and whether the gate's verdict (the 0.5B's band, 0.49 / 0.58) or the
 budget's cut (256 tokens) differs for any question; beside it, the same between two ask-time measurements whose
 only difference is the embedder's batch size (16, as the index embeds, against 8): what a bfloat16 embedder's
 batching alone moves.

@@ -135,7 +135,8 @@ class PromptSettings(Strict):
         "auto", description="the source budget: tokens of source text sent over all sources, each source cut to "
         "the sentence windows that bear on the question (kept in rank order, gaps shown as …; a code block or "
         "table kept whole or not at all); off: every source whole; auto: the budget measured for the generator "
-        "(registry `source_tokens`: 256 for the 0.5B; none measured: off). Not applied to a task on the "
+        "(384 tokens of retrieved sources for the 1.5B, given passages whole; 256 for the 0.5B; none measured: "
+        "off). Not applied to a task on the "
         "sources (docs/pipelines.md)"
     )
     source_floor: int = Field(
