@@ -281,6 +281,8 @@ def test_a_streamed_requests_slot_comes_back_when_a_send_raises(pipe):
 def test_seed_is_honoured_and_reuse_is_not_reported(pipe):
     from ragspec.pipeline import DoneEvent
 
+    here = next(ev.answer for ev in pipe.stream(QUESTION, temperature=1.0, seed=7, max_new_tokens=8)
+                if isinstance(ev, DoneEvent))  # before the server gives `pipe` a prefix cache
     srv, server = serve(pipe, prefix_cache=4)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "temperature": 1.0, "max_tokens": 8}
     try:
@@ -288,8 +290,6 @@ def test_seed_is_honoured_and_reuse_is_not_reported(pipe):
                  for _ in range(2)]
     finally:
         srv.stop()
-    here = next(ev.answer for ev in pipe.stream(QUESTION, temperature=1.0, seed=7, max_new_tokens=8)
-                if isinstance(ev, DoneEvent))
     assert texts[0]["choices"][0]["message"]["content"] == texts[1]["choices"][0]["message"]["content"] == here.text
     # the second reused the first's prompt, but a client is not told how much of another's prompt matched
     assert server.pipe.prefix_cache.last_reused > 0
