@@ -37,6 +37,7 @@ from starlette.exceptions import (
     HTTPException,  # FastAPI's subclasses it; routing and body parsing raise this one
 )
 
+from ragspec import activity
 from ragspec.errors import Cancelled, LoadError, RagspecError
 from ragspec.index.filters import as_filter
 from ragspec.pipeline import CitationEvent, DoneEvent, Pipeline, SourcesEvent, TextEvent
@@ -418,7 +419,11 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/search", dependencies=v1)
     async def search(req: SearchRequest):
         flt = checked_filter(req.filter)
-        hits = await server.call(lambda: server.pipe.retriever.search(req.query, top_n=req.k, filter=flt))
+        def find():
+            with activity.busy("a server search"):  # a calibration job stops meanwhile, as for asks
+                return server.pipe.retriever.search(req.query, top_n=req.k, filter=flt)
+
+        hits = await server.call(find)
         return {"index": server.index_name, "query": req.query, "results": [h.as_json() for h in hits]}
 
     # -- /v1/ask -----------------------------------------------------------------------------------------
