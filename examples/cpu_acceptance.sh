@@ -2,7 +2,7 @@
 # The CPU figures the verifier and first-token issues ask for, measured on this machine in one run: a session on
 # a CPU not measured yet (a Zen 3 with AVX2 only, a Zen 4) runs it and has every figure with the flags beside it.
 #
-#   bash examples/cpu_acceptance.sh [STAGE ...]     (default: flags verifier bench ttft first; quality on request)
+#   bash examples/cpu_acceptance.sh [STAGE ...]     (default: flags verifier bench ttft first yield; quality on request)
 #
 # stages (each writes OUT/STAGE*.txt or .json; OUT defaults to build/acceptance-DATE):
 #   flags     CPU model, the flags that pick kernels, cores
@@ -11,6 +11,8 @@
 #   ttft      the 12 quickstart questions' time to first token, each model's pipeline (examples/source_stats.py),
 #             and with the tree of earlier prompts, their rephrasings asked after them (examples/prompt_reuse_stats.py)
 #   first     a fresh RAGSPEC_HOME's first ask against a warm one, each model, then two first asks at once
+#   yield     a fresh home's first ask, then three more 20 s apart while the background job measures the machine,
+#             against the same ask once it is measured (examples/first_asks.py, the default pipeline)
 #   quality   NQ-open 200 retrieved and CLAP NQ 150 + 150, each model, dtype gguf and BASE_DTYPE (hours)
 # Needs `make quickstart` done (the 1.5B installed, indexes/pydoc-topics built) and ../shared; the quality stage
 # needs indexes/nq (`ragspec index` of the NQ haystack: docs/evaluation.md). DRY=1 prints the commands only.
@@ -30,7 +32,7 @@ PY=.venv/bin/python
 RS=.venv/bin/ragspec
 QUESTION="What does the global statement do?"
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(flags verifier bench ttft first)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(flags verifier bench ttft first yield)
 
 stop_jobs() {  # the background calibrations asks start (and the measurement each runs): left running, one waits 15
   # minutes for a quiet machine, then measures anyway, beside the next stage (a Zen 4 bench of 2026-11-28 ran beside one)
@@ -112,6 +114,8 @@ for stage in "${STAGES[@]}"; do
         echo "+ first asks of $m > $OUT/first-$m.txt"
         [ -z "${DRY:-}" ] && first_asks $m > "$OUT/first-$m.txt" 2>&1
       done ;;
+    yield)
+      run "$OUT/yield.txt" $PY examples/first_asks.py indexes/pydoc-topics --gap 20 --json "$OUT/yield.json" ;;
     quality)
       for m in $SMALL $LARGE; do
         for dtype in gguf "$BASE_DTYPE"; do
@@ -125,7 +129,7 @@ for stage in "${STAGES[@]}"; do
         run "$OUT/nq-$m-compare.txt" $RS eval-compare "$OUT/nq-$m-$BASE_DTYPE.json" "$OUT/nq-$m-gguf.json"
         run "$OUT/clap-$m-compare.txt" $RS eval-compare "$OUT/clap-$m-$BASE_DTYPE.json" "$OUT/clap-$m-gguf.json"
       done ;;
-    *) echo "unknown stage '$stage' (flags verifier bench ttft first quality)" >&2; exit 2 ;;
+    *) echo "unknown stage '$stage' (flags verifier bench ttft first yield quality)" >&2; exit 2 ;;
   esac
 done
 echo "done: $OUT"
