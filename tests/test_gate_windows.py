@@ -1,9 +1,11 @@
-"""The relevance gate's window vectors stored with the index (index/windows.py): equal to what an ask embeds,
-incremental like the chunk vectors, added to an index built before them by indexing again. Real MiniLM (float32,
-so that ask-time embeddings do not move with the batch), real index in a tmp folder."""
+"""The relevance gate's window vectors stored with the index (index/windows.py): pooled from the chunks' own
+forward, equal to what an ask pools, incremental like the chunk vectors, added to an index built before them by
+indexing again. Real MiniLM (float32, so that ask-time vectors do not move with the batch), real index in a tmp
+folder."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -43,23 +45,25 @@ def all_rows(idx: Index):
     return idx.store.chunks(range(idx.store.count_chunks()))
 
 
-def test_stored_windows_equal_those_an_ask_embeds(tmp_path, f32):
+def test_stored_windows_equal_those_an_ask_pools(tmp_path, f32):
     target = tmp_path / "idx"
     s = build_index(write_corpus(tmp_path / "corpus"), target, SMALL, embedder=f32, show_progress=False)
     idx = Index(target, verify=True)
     entry = idx.manifest["embedder"]["windows"]
     assert entry["dtype"] == "float16" and entry["rows"] == len(idx.windows.vectors) > 0
     rows = all_rows(idx)
-    texts = [w for c in rows for w in window_texts(c.text, c.title)]
-    assert entry["rows"] == len(texts) and s.windows_embedded == len(set(texts)) and s.windows_reused == 0
-    assert all(c.title for c in rows)  # every chunk here has titled windows too
-    known = idx.windows.lookup(rows)
-    ask = f32.encode(texts)  # as the gate embeds them at ask time: another batch, unrounded
-    got = np.stack([known[t] for t in texts])
-    assert np.abs(got - ask).max() <= F16
+    assert entry["rows"] == sum(len(window_texts(c.text)) for c in rows) == s.windows_embedded
+    assert s.windows_reused == 0
+    wholes, pooled = f32.encode_windows([c.text for c in rows])  # as the gate pools them at ask time, unrounded
+    assert np.abs(wholes - f32.encode([c.text for c in rows])).max() < 1e-5  # the same forward as the chunk's
+    assert np.abs(np.asarray(idx.embeddings[:len(rows)], np.float32) - wholes).max() <= F16
     q = f32.encode(["What do barges carry on the Rhine?"])[0]
-    assert np.abs(got @ q - ask @ q).max() < 1e-3
-    assert np.argmax(got @ q) == np.argmax(ask @ q)
+    for c, ask in zip(rows, pooled):
+        got = np.asarray(idx.windows.rows(c.id), np.float32)
+        assert got.shape == ask.shape and np.abs(got - ask).max() <= F16
+        assert np.abs(got @ q - ask @ q).max() < 1e-3
+    known = idx.windows.lookup(rows)
+    assert all(t in known for c in rows for t in window_texts(c.text))
 
 
 def test_incremental_reindex_embeds_only_new_chunks_windows(tmp_path, f32):
@@ -67,7 +71,7 @@ def test_incremental_reindex_embeds_only_new_chunks_windows(tmp_path, f32):
     target = tmp_path / "idx"
     build_index(corpus, target, SMALL, embedder=f32, show_progress=False)
     before = Index(target)
-    old = {(c.text, c.title): np.array(before.windows.rows(c.id)) for c in all_rows(before)}
+    old = {c.text: np.array(before.windows.rows(c.id)) for c in all_rows(before)}
     assert build_index(corpus, target, SMALL, embedder=f32, show_progress=False).up_to_date
 
     (corpus / "rivers.txt").write_text("The Nile is the longest river in Africa. It flows north.\n\nIt ends in the sea.")
@@ -76,12 +80,12 @@ def test_incremental_reindex_embeds_only_new_chunks_windows(tmp_path, f32):
     idx = Index(target)
     new_rows = [c for c in all_rows(idx) if c.document in {d.id for d in idx.store.documents()
                                                            if d.path in ("rivers.txt", "new.txt")}]
-    fresh = {w for c in new_rows for w in window_texts(c.text, c.title)}
-    assert s.windows_embedded == len(fresh) > 0
-    assert s.windows_reused == sum(len(old[c.text, c.title]) for c in all_rows(idx) if c not in new_rows) > 0
+    fresh = {w for c in new_rows for w in window_texts(c.text)}
+    assert s.windows_embedded == sum(len(window_texts(c.text)) for c in new_rows) > 0
+    assert s.windows_reused == sum(len(old[c.text]) for c in all_rows(idx) if c not in new_rows) > 0
     for c in all_rows(idx):
         if c not in new_rows:  # the unchanged files' chunks kept their window vectors as they were
-            assert np.array_equal(idx.windows.rows(c.id), old[c.text, c.title])
+            assert np.array_equal(idx.windows.rows(c.id), old[c.text])
     assert len(idx.windows.lookup(new_rows)) == len(fresh)
 
 
@@ -100,8 +104,24 @@ def test_an_index_without_windows_gets_them_by_indexing_again(tmp_path, f32):
 
 
 def test_counts_match_the_window_texts():
-    for text, title in [("One. Two? Three!\nFour", "T"), ("Just one", ""), ("  \n ", "T"), ("a. b.", " ")]:
-        assert windows.count_windows(text, title) == len(window_texts(text, title))
+    for text in ["One. Two? Three!\nFour", "Just one", "  \n ", "a. b."]:
+        assert windows.count_windows(text) == len(window_texts(text))
+
+
+def test_a_text_over_the_limit_is_pooled_in_pieces_of_whole_sentences(f32):
+    from ragspec.corpus.windows import window_spans
+
+    sentences = [f"Sentence {i} says that river {i} carries barges of coal and grain to the sea." for i in range(60)]
+    text = " ".join(sentences)
+    assert len(f32.tokenizer(text)["input_ids"]) > f32.max_tokens
+    _whole, (pooled,) = f32.encode_windows([text])
+    assert pooled.shape == (len(window_spans(text)), f32.dim)
+    assert np.allclose(np.linalg.norm(pooled, axis=1), 1, atol=1e-5)  # every window pooled, none cut off
+    pieces = f32._pieces(text)
+    assert len(pieces) > 1 and pieces[0][0] == 0 and pieces[-1][1] == len(text)
+    assert all(b > c for (_, b), (c, _) in itertools.pairwise(pieces))  # neighbours share a sentence
+    short, (alone,) = f32.encode_windows([sentences[0] + " " + sentences[1]])
+    assert alone.shape == (1, f32.dim) and np.abs(short - f32.encode([sentences[0] + " " + sentences[1]])).max() < 1e-5
 
 
 # -- at ask time: the gate and the budget read them ---------------------------------------------------------------
@@ -129,7 +149,7 @@ def pipes(tmp_path_factory, f32, smol):
     return made
 
 
-def test_the_gate_embeds_only_what_the_index_does_not_store(pipes, f32):
+def test_the_gate_pools_only_what_the_index_does_not_store(pipes, f32):
     from ragspec.retrieve.windows import WindowScorer, _whole, stored_vectors, windows
 
     stored, _ = pipes
@@ -138,16 +158,21 @@ def test_the_gate_embeds_only_what_the_index_does_not_store(pipes, f32):
 
     class Counting:  # the real embedder, keeping what it is given
         def encode(self, texts):
-            calls.append(list(texts))
+            calls.append(("encode", list(texts)))
             return f32.encode(texts)
+
+        def encode_windows(self, texts):
+            calls.append(("pool", list(texts)))
+            return f32.encode_windows(texts)
 
     for q in QUESTIONS:
         sources, _ = stored.retrieve(q)
         calls.clear()
         WindowScorer(lambda: Counting(), lambda: index).measure(q, sources)
         known = stored_vectors(index, sources)
-        texts = list(dict.fromkeys([w for s in sources for w in windows(s)] + [_whole(s) for s in sources]))
-        assert calls == [[q] + [t for t in texts if t not in known and t != q]]
+        todo = list(dict.fromkeys(s.text for s in sources
+                                  if not all(w in known for w in windows(s)) or _whole(s) not in known))
+        assert calls == [("encode", [q])] + ([("pool", todo)] if todo else [])
         for s in sources:
             if len(s.locations[0].chunk_ids) == 1:  # one chunk whole: every text it is judged by is stored
                 assert all(w in known for w in windows(s)) and _whole(s) in known
@@ -188,8 +213,8 @@ def test_the_cli_says_what_it_embedded_and_info_whether_they_are_stored(tmp_path
     runner, out = CliRunner(), tmp_path / "idx"
     corpus = write_corpus(tmp_path / "corpus")
     r = runner.invoke(app, ["index", str(corpus), "--out", str(out), "--chunk-tokens", "48", "--overlap", "8"])
-    assert r.exit_code == 0 and "gate windows embedded (0 reused)" in r.output, r.output
+    assert r.exit_code == 0 and "gate windows pooled (0 reused)" in r.output, r.output
     assert "gate windows stored (float16)" in runner.invoke(app, ["info", str(out)]).output
     strip_windows(out)
     r = runner.invoke(app, ["info", str(out)])
-    assert f"none stored: each ask embeds them; ragspec index {corpus} --out {out} adds them" in r.output, r.output
+    assert f"none stored: each ask pools them; ragspec index {corpus} --out {out} adds them" in r.output, r.output

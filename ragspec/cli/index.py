@@ -73,7 +73,7 @@ def index(
             f"({s.added} added, {s.changed} changed, {s.deleted} deleted, {s.skipped} skipped), {s.chunks} chunks "
             f"({s.embedded} embedded, {s.reused} reused) in {s.seconds:.1f} s"
             + (f", {s.chunks_per_s:.1f} chunks/s embedding" if s.embedded else "")
-            + (f"; {s.windows_embedded} gate windows embedded ({s.windows_reused} reused) in "
+            + (f"; {s.windows_embedded} gate windows pooled ({s.windows_reused} reused), written in "
                f"{s.windows_seconds:.1f} s" if s.windows_embedded else "")
             + f"; FAISS {s.factory} ({s.index_type}); {human_bytes(s.bytes)} on disk"
         )
@@ -221,7 +221,7 @@ def info(index_path: Path = typer.Argument(..., metavar="INDEX"),
         out.print(f"  embedder   {e['name']} ({e['dimension']}-d, {e['dtype']}, normalised)")
         win = idx.windows
         out.print("  windows    " + (f"{len(win.vectors):,} gate windows stored (float16)" if win is not None else
-                                     f"none stored: each ask embeds them; ragspec index {idx.corpus_root} --out "
+                                     f"none stored: each ask pools them; ragspec index {idx.corpus_root} --out "
                                      f"{index_path} adds them"))
         out.print(f"  chunker    {m['chunker']['tokens']} tokens, overlap {m['chunker']['overlap']}")
         out.print(f"  faiss      {f['factory']} ({f['kind']}, nprobe {f['nprobe']}"

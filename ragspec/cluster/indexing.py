@@ -6,8 +6,8 @@ actor of the pool holds the embedder (and so its tokenizer): it chunks a batch o
 chunks, so every chunk is tokenized once, on the machine that embeds it. Actors that die are restarted and
 their batches retried by Ray Data; a build that still fails leaves the previous index as it was. Unlike the
 local executor, copies of one text in different batches are each embedded (nothing is shared across actors).
-The relevance gate's window vectors (`index.windows`) are embedded afterwards by the driver, with an embedder of
-the same name, dtype and length loaded there: a build whose windows are many takes that time on the driver.
+The relevance gate's window vectors (`index.windows`) are pooled by the actors from each chunk's own forward and
+travel back with its vector.
 """
 
 from __future__ import annotations
@@ -52,11 +52,15 @@ class ChunkEmbed:
                 end.append(c.end)
                 tokens.append(c.tokens)
                 text.append(c.text)
-        vectors = self.embedder.encode(text, self.settings.embed_batch_size)
+        vectors, wins = self.embedder.encode_windows(text, self.settings.embed_batch_size)
+        windows = np.empty(len(wins), dtype=object)  # one [k, dim] float16 array per chunk
+        for k, w in enumerate(wins):
+            windows[k] = w.astype(np.float16)
         return {"doc": np.asarray(doc, dtype=np.int64), "order": np.asarray(order, dtype=np.int64),
                 "start": np.asarray(start, dtype=np.int64), "end": np.asarray(end, dtype=np.int64),
                 "tokens": np.asarray(tokens, dtype=np.int64),
-                "text": np.asarray(text, dtype=object), "vector": vectors.reshape(len(text), self.embedder.dim)}
+                "text": np.asarray(text, dtype=object), "vector": vectors.reshape(len(text), self.embedder.dim),
+                "windows": windows}
 
 
 class RayExecutor:
@@ -142,6 +146,7 @@ def _assemble(n_docs: int, batches: list[dict], name: str, dtype: str) -> Embedd
     from ragspec.corpus.chunker import Chunk
 
     rows = []
+    windows: list[np.ndarray] = []
     vec_parts = []
     base = 0
     for b in batches:
@@ -150,6 +155,7 @@ def _assemble(n_docs: int, batches: list[dict], name: str, dtype: str) -> Embedd
         for j in range(len(b["doc"])):
             rows.append((int(b["doc"][j]), int(b["order"][j]), base + j, int(b["start"][j]), int(b["end"][j]),
                          int(b["tokens"][j]), str(b["text"][j])))
+            windows.append(np.asarray(b["windows"][j], dtype=np.float32))
         vec_parts.append(np.asarray(b["vector"], dtype=np.float32).reshape(len(b["doc"]), -1))
         base += len(b["doc"])
     rows.sort()
@@ -158,4 +164,4 @@ def _assemble(n_docs: int, batches: list[dict], name: str, dtype: str) -> Embedd
     for d, order, _, start, end, tokens, text in rows:
         chunks[d].append(Chunk(order=order, start=start, end=end, text=text, tokens=tokens))
     take = np.asarray([r[2] for r in rows], dtype=np.int64)
-    return Embedded(chunks, all_vecs[take] if len(take) else all_vecs, name, dtype)
+    return Embedded(chunks, all_vecs[take] if len(take) else all_vecs, name, dtype, [windows[k] for k in take])

@@ -1,16 +1,18 @@
-"""A text's two-sentence windows: what the relevance gate embeds and the source budget cuts by.
+"""A text's two-sentence windows: what the relevance gate scores and the source budget cuts by.
 
-Why here: the index embeds every chunk's windows when it is built (`index.windows`) and an ask reads them back
-(`retrieve.windows`); both must split a text the same way, so the one definition sits below both layers. A
-change to the split changes every stored window's text: bump `WINDOWS_VERSION` with it, and an index built
-before is read as one without stored windows (ask-time embedding) until it is built again.
+Why here: the index pools every chunk's window vectors when it embeds the chunk (`index.windows`) and an ask
+reads them back (`retrieve.windows`); both must split a text the same way, so the one definition sits below
+both layers. A change to the split or to how a window's vector is made changes every stored window: bump
+`WINDOWS_VERSION` with it, and an index built before is read as one without stored windows (ask-time pooling)
+until it is built again.
 """
 
 from __future__ import annotations
 
 import re
 
-WINDOWS_VERSION = 1  # the definition below; stored with an index's window vectors
+WINDOWS_VERSION = 2  # the definition below; stored with an index's window vectors (2: pooled from the text's
+#                     own forward, no titled copies; 1: each window embedded alone and after the title)
 
 SENTENCE_END = re.compile(r"(?<=[.!?;])\s+|\n+")
 
@@ -34,9 +36,13 @@ def window_runs(n_sentences: int) -> list[tuple[int, int]]:
     return [(i, min(i + 1, n_sentences - 1)) for i in range(max(n_sentences - 1, 1))] if n_sentences else []
 
 
-def window_texts(text: str, title: str = "") -> list[str]:
-    """What the gate embeds for a source: each window alone, then each after the source's title (if any)."""
+def window_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) in `text` of each window: from its first sentence's start to its last one's end."""
     spans = sentence_spans(text)
-    runs = [" ".join(text[a:b] for a, b in spans[i:j + 1]) for i, j in window_runs(len(spans))]
-    title = (title or "").strip()
-    return runs + ([f"{title}. {r}" for r in runs] if title else [])
+    return [(spans[i][0], spans[j][1]) for i, j in window_runs(len(spans))]
+
+
+def window_texts(text: str) -> list[str]:
+    """Each window's sentences joined by one space: how a window is named (stored windows are matched by it)."""
+    spans = sentence_spans(text)
+    return [" ".join(text[a:b] for a, b in spans[i:j + 1]) for i, j in window_runs(len(spans))]

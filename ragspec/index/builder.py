@@ -42,7 +42,8 @@ class BuildSummary:
     deleted: int = 0
     seconds: float = 0.0
     embed_seconds: float = 0.0
-    windows_embedded: int = 0  # the gate's window texts embedded (distinct per block), and those reused
+    windows_embedded: int = 0  # the gate's window vectors pooled (with the chunks' forward, or for kept chunks
+    #                            of a version without them), and those reused
     windows_reused: int = 0
     windows_seconds: float = 0.0
     factory: str = ""
@@ -212,7 +213,6 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
     rows_from_prev: list[int] = []  # prev chunk ids, in new-id order, for reused chunks
     slots_new: list[int] = []  # rows of `fresh` (the new chunks' vectors), -1 for reused chunks
     all_texts: list[str] = []
-    all_titles: list[str] = []  # each chunk's document title (its titled windows)
     n_docs = 0
     fresh_docs = [d for f in files if f.rel in new_docs for d in new_docs[f.rel]]
     if fresh_docs and executor is None and embedder is None:  # loaded before the clock starts, as always
@@ -239,7 +239,6 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
                 writer.add_chunks(did, [(o, s, e, t) for _, o, s, e, t in old_chunks])
                 rows_from_prev.extend(cid for cid, *_ in old_chunks)
                 all_texts.extend(t for *_, t in old_chunks)
-                all_titles.extend([doc.title] * len(old_chunks))
                 slots_new.extend([-1] * len(old_chunks))
                 n_docs += 1
         elif f.rel in new_docs:
@@ -255,7 +254,6 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
                     slots_new.append(n_fresh)
                     n_fresh += 1
                     all_texts.append(c.text)
-                    all_titles.append(d.title)
                 n_docs += 1
     writer.close()
     n = len(all_texts)
@@ -273,7 +271,9 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
     # FAISS sees exactly the vectors a later incremental build will reuse (stored as float16)
     vectors = vectors.astype(np.float16).astype(np.float32)
     embed_dtype = done.dtype if fresh_docs else prev.manifest["embedder"]["dtype"]
-    window_rows = _write_windows(tmp, all_texts, all_titles, rows_from_prev, prev, dim, settings, embed_dtype,
+    fresh_windows = [done.windows[slots_new[i]] if slots_new[i] >= 0 and done.windows is not None else None
+                     for i in range(n)]
+    window_rows = _write_windows(tmp, all_texts, fresh_windows, rows_from_prev, prev, dim, settings, embed_dtype,
                                  embedder or getattr(runner, "embedder", None), summary, show_progress)
     plan = _faiss_plan(settings, n, dim)
     with console.status(f"FAISS {plan.factory} over {n} vectors") if show_progress else _null():
@@ -331,28 +331,31 @@ def _write_version(tmp, root, root_given, files, keep, new_docs, prev, settings,
     return summary
 
 
-def _write_windows(tmp, texts, titles, rows_from_prev, prev, dim, settings, dtype, embedder, summary,
+def _write_windows(tmp, texts, fresh, rows_from_prev, prev, dim, settings, dtype, embedder, summary,
                    show_progress) -> int:
-    """Every chunk's gate windows embedded (index/windows.py): a reused chunk takes its previous vectors when
-    the previous version stored them, any other is embedded. Returns the rows written."""
+    """Every chunk's gate windows (index/windows.py): a new chunk's as pooled when it was embedded, a reused
+    one's from the previous version, or pooled now where that version has none. Returns the rows written."""
     previous = windows.StoredWindows(prev.folder) if prev is not None and windows.stored(prev.manifest) else None
+    reuse = rows_from_prev if previous is not None else [-1] * len(texts)
     if prev is not None and previous is None and any(r >= 0 for r in rows_from_prev):
-        summary.notes.append("the previous version has no gate window vectors: embedding every chunk's windows")
-    chunks = list(zip(texts, titles))
-    reuse = rows_from_prev if previous is not None else [-1] * len(chunks)
-    need = windows.to_embed(chunks, reuse, previous)
-    if need and embedder is None:
-        from ragspec.models.embedder import load_embedder
-
-        embedder = load_embedder(settings.embedder, settings.device, dtype, settings.chunk_tokens)
+        summary.notes.append("the previous version has no gate window vectors (or older ones): pooling the kept "
+                             "chunks' windows")
     t = time.perf_counter()
-    with progress() as bar:
-        task = bar.add_task("embedding gate windows", total=need, visible=show_progress and need > 0)
-        embedded, reused = windows.write(
-            tmp, chunks, reuse, previous,
-            lambda batch, tick: embedder.encode(batch, settings.embed_batch_size, on_batch=tick), dim, bar, task)
-    summary.windows_embedded, summary.windows_reused = embedded, reused
-    summary.windows_seconds = time.perf_counter() - t if need else 0.0
+
+    def pool(todo: list[str]) -> list[np.ndarray]:
+        nonlocal embedder
+        if embedder is None:
+            from ragspec.models.embedder import load_embedder
+
+            embedder = load_embedder(settings.embedder, settings.device, dtype, settings.chunk_tokens)
+        with progress() as bar:
+            task = bar.add_task("pooling gate windows", total=len(todo), visible=show_progress)
+            return embedder.encode_windows(todo, settings.embed_batch_size,
+                                           on_batch=lambda k: bar.advance(task, k))[1]
+
+    made, reused = windows.write(tmp, texts, reuse, previous, fresh, pool, dim)
+    summary.windows_embedded, summary.windows_reused = made, reused
+    summary.windows_seconds = time.perf_counter() - t
     return int(np.load(tmp / windows.OFFSETS)[-1])
 
 
@@ -364,6 +367,7 @@ class Embedded:
     vectors: np.ndarray  # float32, one row per chunk: documents in order, each document's chunks in order
     embedder: str = ""  # the embedder's canonical name and dtype, for the manifest
     dtype: str = ""
+    windows: list[np.ndarray] | None = None  # per chunk (as `vectors`): its gate windows' vectors, pooled
 
 
 class LocalExecutor:
@@ -401,9 +405,10 @@ class LocalExecutor:
             slot_of.append(first[h])
         with progress() as bar:
             task = bar.add_task("embedding", total=len(distinct), visible=show_progress)
-            vecs = emb.encode(distinct, settings.embed_batch_size, on_batch=lambda k: bar.advance(task, k))
+            vecs, wins = emb.encode_windows(distinct, settings.embed_batch_size,
+                                            on_batch=lambda k: bar.advance(task, k))
         vectors = vecs[np.asarray(slot_of, dtype=np.int64)] if flat else np.zeros((0, emb.dim), np.float32)
-        return Embedded(chunks, vectors, emb.name, emb.dtype)
+        return Embedded(chunks, vectors, emb.name, emb.dtype, [wins[k] for k in slot_of])
 
 
 def file_type(rel: str) -> str:

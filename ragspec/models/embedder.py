@@ -87,6 +87,90 @@ class Embedder:
     def encode_query(self, query: str) -> np.ndarray:
         return self.encode([query])[0]
 
+    def encode_windows(
+        self,
+        texts: Sequence[str],
+        batch_size: int | None = None,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Each text's vector (as `encode` makes it) and its two-sentence windows' vectors (`corpus.windows`),
+        float32, from one forward of the text: the gate's windows cost the index no second pass.
+
+        Each window is the mean of the text's token states inside it (late chunking): on CLAP NQ its gate
+        separated answerable from unanswerable as well as embedding each window alone and after its title
+        (docs/indexing.md). A text longer than the embedder's limit is read in pieces of whole sentences
+        (one sentence shared between neighbours, so each window lies in one piece; the text's vector is its
+        first piece's, as truncation gives). An embedder that is not of the plain kind embeds the windows
+        alone instead."""
+        from ragspec.corpus.windows import window_spans, window_texts
+
+        if batch_size is None:
+            batch_size = 8 if str(getattr(self.model, "device", "cpu")).startswith("cpu") else 64
+        spans = [window_spans(t) for t in texts]
+        if not isinstance(self.model, PooledEncoder):
+            vectors = self.encode(texts, batch_size, on_batch)
+            return vectors, [self.encode(window_texts(t), batch_size) for t in texts]
+        pieces: list[tuple[int, int, int]] = []  # (text, char start, char end)
+        owner: list[list[tuple[int, int]]] = []  # per text, per window: (piece, its index among the piece's)
+        piece_spans: list[list[tuple[int, int]]] = []
+        for i, t in enumerate(texts):
+            cuts = self._pieces(t)
+            first = len(pieces)
+            for a, b in cuts:
+                pieces.append((i, a, b))
+                piece_spans.append([])
+            mine = []
+            for a, b in spans[i]:
+                k = next((k for k, (x, y) in enumerate(cuts) if x <= a and b <= y), None)
+                if k is None:  # a window longer than a piece: where it starts
+                    k = max(k for k, (x, _) in enumerate(cuts) if x <= a)
+                mine.append((first + k, len(piece_spans[first + k])))
+                x = cuts[k][0]
+                piece_spans[first + k].append((a - x, b - x))
+            owner.append(mine)
+        firsts: dict[int, int] = {}  # text → its first piece
+        for p, (i, _, _) in enumerate(pieces):
+            firsts.setdefault(i, p)
+        first_pieces = set(firsts.values())
+        tick = (lambda done: on_batch(sum(p in first_pieces for p in done))) if on_batch else None
+        done = self.model.encode_spans([texts[i][a:b] for i, a, b in pieces], piece_spans, batch_size, tick)
+        vectors = np.zeros((len(texts), self.dim), dtype=np.float32)
+        out: list[np.ndarray] = []
+        for i in range(len(texts)):
+            if i in firsts:
+                vectors[i] = done[firsts[i]][0]
+            out.append(np.stack([done[p][1][k] for p, k in owner[i]]).astype(np.float32) if owner[i]
+                       else np.zeros((0, self.dim), np.float32))
+        return vectors, out
+
+    def _pieces(self, text: str) -> list[tuple[int, int]]:
+        """`text` as (start, end) pieces of whole sentences within the embedder's limit, neighbours sharing one
+        sentence; [(0, len(text))] when it fits (or has under two sentences)."""
+        from bisect import bisect_left
+
+        from ragspec.corpus.windows import sentence_spans
+
+        sents = sentence_spans(text)
+        ends = [e for _, e in self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+                ["offset_mapping"]]
+        limit = self.max_tokens
+        if len(ends) <= limit or len(sents) < 2:
+            return [(0, len(text))]
+
+        def tokens(a: int, b: int) -> int:  # tokens ending inside text[a:b]
+            return bisect_left(ends, b + 1) - bisect_left(ends, a + 1)
+
+        cuts, p = [], 0
+        while p < len(sents):
+            q = p
+            while q + 1 < len(sents) and tokens(sents[p][0], sents[q + 1][1]) <= limit:
+                q += 1
+            cuts.append((0 if p == 0 else sents[p][0], len(text) if q == len(sents) - 1 else sents[q][1]))
+            if q == len(sents) - 1:
+                break
+            p = q if q > p else q + 1
+        return cuts
+
 
 def load_embedder(name: str, device: str = "cpu", dtype: str = "auto", max_tokens: int | None = None) -> Embedder:
     """Load an embedder by registry name, local folder or hub id.

@@ -87,13 +87,51 @@ class PooledEncoder:
         return torch.stack(out).float().numpy() if out else np.zeros((0, self.get_embedding_dimension()), np.float32)
 
     def _pooled(self, batch: list[str], normalize_embeddings: bool):
-        import torch
-        import torch.nn.functional as F
-
         features = self.tokenizer(batch, padding=True, truncation="longest_first", return_tensors="pt",
                                   max_length=self.max_seq_length).to(self.device)
         tokens = self.auto_model(**features, return_dict=True)[0]
-        mask = features["attention_mask"]
+        return self._pool(tokens, features["attention_mask"], normalize_embeddings).cpu()
+
+    def encode_spans(self, texts: Sequence[str], spans: Sequence[Sequence[tuple[int, int]]],
+                     batch_size: int = 8, on_batch=None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per text: its vector (exactly as `encode` makes it) and, from the same forward, one unit vector per
+        character span: the mean of the token states that lie inside the span (late chunking, Günther et al.
+        2024), zeros for a span the truncation cut off. Longest first in batches, returned in input order;
+        `on_batch(indices)` after each batch."""
+        import torch
+        import torch.nn.functional as F
+
+        order = np.argsort([-len(t) for t in texts], kind="stable")  # `Embedder.encode`'s batches
+        out: list = [None] * len(texts)
+        with torch.inference_mode():
+            for s in range(0, len(texts), batch_size):
+                idx = [int(i) for i in order[s : s + batch_size]]
+                features = self.tokenizer([texts[i] for i in idx], padding=True, truncation="longest_first",
+                                          return_tensors="pt", max_length=self.max_seq_length,
+                                          return_offsets_mapping=True)
+                offsets = features.pop("offset_mapping")
+                features = features.to(self.device)
+                tokens = self.auto_model(**features, return_dict=True)[0]
+                mask = features["attention_mask"]
+                whole = self._pool(tokens, mask, True).float().cpu().numpy()
+                states = tokens.float().cpu()
+                for row, i in enumerate(idx):
+                    start, end = offsets[row, :, 0], offsets[row, :, 1]
+                    real = (end > start) & mask[row].bool().cpu()
+                    vecs = torch.zeros((len(spans[i]), states.shape[-1]))
+                    for k, (a, b) in enumerate(spans[i]):
+                        inside = real & (start >= a) & (end <= b)
+                        if inside.any():
+                            vecs[k] = F.normalize(states[row][inside].mean(0), dim=0)
+                    out[i] = (whole[row], vecs.numpy())
+                if on_batch:
+                    on_batch(idx)
+        return out
+
+    def _pool(self, tokens, mask, normalize_embeddings: bool):
+        import torch
+        import torch.nn.functional as F
+
         if self.mode == "cls":
             first = mask.to(torch.int).argmax(dim=1)
             pooled = torch.gather(tokens, 1, first.unsqueeze(-1).unsqueeze(1).expand(-1, 1, tokens.shape[-1]))
@@ -108,4 +146,4 @@ class PooledEncoder:
             pooled = F.normalize(pooled, p=2, dim=-1)
         if normalize_embeddings:
             pooled = F.normalize(pooled, p=2, dim=1)
-        return pooled.cpu()
+        return pooled

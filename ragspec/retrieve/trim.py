@@ -23,11 +23,9 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-import numpy as np
-
 from ragspec.corpus.windows import SENTENCE_END, sentence_spans, window_runs, window_texts
 
-__all__ = ["ELISION", "SENTENCE_END", "BudgetFound", "SourceBudget", "SourceUnits", "best_of_titled", "block_spans",
+__all__ = ["ELISION", "SENTENCE_END", "BudgetFound", "SourceBudget", "SourceUnits", "block_spans",
            "cut_sources", "sentence_spans", "window_runs", "window_texts"]
 
 ELISION = " … "  # between two kept pieces of one source in the prompt
@@ -184,14 +182,6 @@ def _spans(source: SourceUnits, chosen: set[int]) -> list[tuple[int, int]]:
             out.append((a, b))
         last = u
     return out
-
-
-def best_of_titled(sims: np.ndarray, n_windows: int) -> np.ndarray:
-    """Each window's cosine with the question from those of `window_texts`: the best of the window alone and
-    after the title (the second half, when the source has a title)."""
-    if len(sims) > n_windows:
-        return np.maximum(sims[:n_windows], sims[n_windows:2 * n_windows])
-    return sims[:n_windows]
 
 
 @dataclass

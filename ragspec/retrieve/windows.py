@@ -2,15 +2,13 @@
 both judge by, measured once per ask.
 
 Why one place: the gate scores the sources by their best window and best whole source, the budget keeps their
-best windows; both compare the question with the same texts (`windows`: each window alone and after the
-source's title, `corpus.windows`), so one measurement serves both. Why stored vectors: those texts never change
-between asks, and embedding them was about 2.1 s of a warm 0.5B ask (192 texts for five sources, 2-core Zen 3).
-An index built by this ragspec holds every chunk's window vectors (`index.windows`) and every chunk's own
-vector; a source that is an index chunk, or neighbouring chunks merged, takes from them every text whose
-vector is stored — matched by the exact text, so a window that spans a chunk boundary of a merged source, a
-cut source's or a given passage's, is embedded here instead — and only the rest (always the question) is
-embedded, remembered across asks (`EmbeddingMemo`). An index built before stores none: it still answers,
-embedding at ask time as before, and says once how to add them.
+best windows; both compare the question with the same vectors, so one measurement serves both. A window's vector
+is pooled from its source's own forward (late chunking, `Embedder.encode_windows`): an index built by this
+ragspec stores every chunk's window vectors (`index.windows`) and every chunk's own vector, so a source that is
+one index chunk costs the ask no forward but the question's. Any other source (neighbouring chunks merged, a cut
+source, a given passage, a chunk of an index built before) is read in one forward of its text, remembered across
+asks (`PooledMemo`). Merged neighbours still take their chunks' own vectors as their whole (the best cosine of
+them). An index built before stores none: it still answers, and says once how to add them.
 """
 
 from __future__ import annotations
@@ -25,89 +23,88 @@ import numpy as np
 
 from ragspec.console import warn
 from ragspec.corpus.windows import window_texts
-from ragspec.retrieve.trim import best_of_titled
 
 
 def windows(s) -> list[str]:
-    """What the gate embeds for a source: each run of two consecutive sentences, alone and with the source's
-    title in front (a title names what a passage is about; a file's first line taken as its title may not)."""
-    return window_texts(s.text, getattr(s, "title", "") or "")
+    """The names of a source's windows (each run of two consecutive sentences): stored windows are matched by
+    them."""
+    return window_texts(s.text)
 
 
 def _whole(s) -> str:
-    """A whole source as the gate embeds it: its text alone (the embedder truncates a long one). Not after its
-    title, unlike the windows: on the tuning records a title in front lowered the whole source's separation
-    (CLAP NQ 151-300 AUC 0.874 with it, 0.880 without; the mean score's 0.878 against 0.901)."""
+    """A whole source as the gate reads it: its text alone (the embedder truncates a long one)."""
     return s.text.strip()
 
 
 @dataclass
 class Measured:
-    """The question against the sources: the gate's score (None when wholes were not embedded) and, per source,
-    each window's cosine (the best of the window alone and after the title)."""
+    """The question against the sources: the gate's score (None when wholes were not wanted) and, per source,
+    each window's cosine."""
 
     score: float | None
     windows: list[np.ndarray]
 
 
-class EmbeddingMemo:
-    """The embeddings of recent window and source texts (LRU, `capacity` texts): the same sources come back ask
-    after ask (passages given with the question, or an index without stored windows)."""
+class PooledMemo:
+    """Recent sources' pooled vectors (text → (whole, windows); LRU, `capacity` texts): the same sources come
+    back ask after ask (passages given with the question, merged neighbours, an index without stored windows)."""
 
-    def __init__(self, capacity: int = 20_000):
+    def __init__(self, capacity: int = 2_000):
         self.capacity = capacity
-        self.vectors: OrderedDict[str, np.ndarray] = OrderedDict()
+        self.pooled: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = OrderedDict()
 
-    def encode(self, embedder, texts: list[str], keep: int) -> np.ndarray:
-        """Vectors of `texts`, embedding only those not remembered; the first `keep` (the question) are embedded
-        every time and never remembered."""
-        todo = [t for i, t in enumerate(texts) if i < keep or t not in self.vectors]
-        fresh = np.asarray(embedder.encode(todo), dtype=np.float32) if todo else None
-        got = dict(zip(todo, fresh)) if todo else {}
-        out = np.stack([got[t] if t in got else self.vectors[t] for t in texts])
-        for i, t in enumerate(texts):
-            if i >= keep:
-                self.vectors[t] = out[i]
-                self.vectors.move_to_end(t)
-        while len(self.vectors) > self.capacity:
-            self.vectors.popitem(last=False)
+    def pool(self, embedder, texts: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        todo = [t for t in dict.fromkeys(texts) if t not in self.pooled]
+        if todo:
+            wholes, wins = embedder.encode_windows(todo)
+            for t, w, ws in zip(todo, wholes, wins):
+                self.pooled[t] = (np.asarray(w, np.float32), np.asarray(ws, np.float32))
+        out = {}
+        for t in texts:
+            self.pooled.move_to_end(t)
+            out[t] = self.pooled[t]
+        while len(self.pooled) > self.capacity:
+            self.pooled.popitem(last=False)
         return out
 
 
 def measure(embedder, question: str, sources, wholes: bool = True, lock: threading.Lock | None = None,
-            memo: EmbeddingMemo | None = None, stored: dict[str, np.ndarray] | None = None) -> Measured:
-    """Embed the question, every window of every source and (with `wholes`) every whole source, each distinct
-    text once, in one call: only the texts `stored` (text → vector, from the index) lacks, and with `memo` only
-    those it does not remember either."""
+            memo: PooledMemo | None = None, stored: dict[str, np.ndarray] | None = None) -> Measured:
+    """The question's cosine with every window of every source and (with `wholes`) the gate's score: the mean
+    of the best window's and the best whole source's cosine. Window and whole vectors come from `stored` (text
+    → vector, from the index) where it has all of a source's, else from one forward of the source's text."""
     per = [windows(s) for s in sources]
-    wins = [w for ws in per for w in ws]
-    whole = [_whole(s) for s in sources if s.text.strip()] if wholes else []
-    if not wins:
+    if not any(per):
         return Measured(-1.0 if wholes else None, [np.zeros(0, dtype=np.float32) for _ in sources])
-    texts = [question, *wins, *whole]
-    unique = list(dict.fromkeys(texts))  # a source of one or two sentences is its own only window
     known = stored or {}
-    todo = [t for i, t in enumerate(unique) if i == 0 or t not in known]  # the question always
+
+    def complete(s, ws) -> bool:
+        return all(w in known for w in ws) and (not wholes or _whole(s) in known)
+
+    todo = [s.text for s, ws in zip(sources, per) if ws and not complete(s, ws)]
     with lock or contextlib.nullcontext():
+        q = np.asarray(embedder.encode([question]), dtype=np.float32)[0]
         if memo is not None:
-            fresh = memo.encode(embedder, todo, keep=1)
+            pooled = memo.pool(embedder, todo) if todo else {}
         else:
-            fresh = np.asarray(embedder.encode(todo), dtype=np.float32)
-    vector = dict(zip(todo, fresh))
-    single = [t for t in unique if t in vector or known[t].ndim == 1]
-    vecs = np.stack([vector[t] if t in vector else known[t] for t in single])
-    by_text = dict(zip(single, vecs @ vecs[0]))
-    for t in unique:  # a source over several chunks: the best of its chunks' own vectors
-        if t not in by_text:
-            by_text[t] = float(np.max(known[t] @ vecs[0]))
-    sims = np.asarray([by_text[t] for t in texts[1:]], dtype=np.float32)
-    score = float((sims[:len(wins)].max() + sims[len(wins):].max()) / 2) if wholes else None
-    out, k = [], 0
+            got = embedder.encode_windows(list(dict.fromkeys(todo))) if todo else ([], [])
+            pooled = dict(zip(dict.fromkeys(todo), zip(*got)))
+    out, best_window, best_whole = [], -1.0, -1.0
     for s, ws in zip(sources, per):
-        n = len(ws) // 2 if (getattr(s, "title", "") or "").strip() else len(ws)  # then the same after the title
-        out.append(best_of_titled(sims[k:k + len(ws)], n))
-        k += len(ws)
-    return Measured(score, out)
+        if not ws:
+            out.append(np.zeros(0, dtype=np.float32))
+            continue
+        if s.text in pooled:
+            whole, wins = pooled[s.text]
+            whole = known.get(_whole(s), whole)  # merged neighbours: their chunks' own vectors
+        else:
+            whole, wins = known.get(_whole(s)), np.stack([known[w] for w in ws])
+        sims = np.asarray(wins, np.float32) @ q
+        out.append(sims)
+        best_window = max(best_window, float(sims.max()))
+        if wholes and whole is not None:
+            best_whole = max(best_whole, float(np.max(np.asarray(whole, np.float32) @ q)))
+    return Measured((best_window + best_whole) / 2 if wholes else None, out)
 
 
 def chunk_ids(s) -> list[int]:
@@ -159,8 +156,8 @@ def _say_how_to_add(index) -> None:
     key = str(index.folder)
     if key not in _told:
         _told.add(key)
-        warn(f"index {index.path} has no stored gate windows (built before ragspec stored them), so each ask embeds "
-             f"its sources' windows; add them with: ragspec index {index.corpus_root} --out {index.path}")
+        warn(f"index {index.path} has no stored gate windows (or windows of an older kind), so each ask pools its "
+             f"sources' windows; add them with: ragspec index {index.corpus_root} --out {index.path}")
 
 
 class WindowScorer:
@@ -173,7 +170,7 @@ class WindowScorer:
         self._load_embedder, self._load_index = embedder, index
         self._embedder = None
         self.lock = threading.Lock()
-        self.memo = EmbeddingMemo()  # used under `lock`
+        self.memo = PooledMemo()  # used under `lock`
 
     @property
     def embedder(self):
