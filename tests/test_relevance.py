@@ -23,7 +23,7 @@ RIVERS = ("The Danube flows through ten countries. It rises in the Black Forest 
           "The Rhine is shorter but carries more traffic; barges move coal and grain along it.")
 BREAD = "Knead the dough for ten minutes until it is smooth. Bake at 230 degrees Celsius for thirty minutes."
 QUESTION = "What do barges carry on the Rhine?"
-FLOOR = 0.46  # MiniLM's measured floor (registry)
+FLOOR = 0.47  # MiniLM's measured floor (registry)
 
 
 def test_windows_are_sentence_pairs():
@@ -76,11 +76,11 @@ def test_the_band_is_measured_per_generator_and_embedder():
         g = resolve_gate(floor, lambda: "embedder", embedder, doubt, generator, copy=copy)
         return None if g is None else (g.floor, g.doubt)
 
-    assert gate() == (0.40, 0.52) == gate(generator="Qwen/Qwen2.5-Coder-0.5B-Instruct")  # the fast generator
-    assert gate(generator="qwen2.5-coder-1.5b-instruct") == (0.42, 0.52)
+    assert gate() == (0.415, 0.52) == gate(generator="Qwen/Qwen2.5-Coder-0.5B-Instruct")  # the fast generator
+    assert gate(generator="qwen2.5-coder-1.5b-instruct") == (0.435, 0.52)
     # the 1.5B reading its prompts with the int8 copy has its own band; a copy with none measured takes the plain one
-    assert gate(generator="qwen2.5-coder-1.5b-instruct", copy="int8") == (0.435, 0.52)
-    assert gate(copy="int8") == (0.40, 0.52) == gate(copy="bf16")
+    assert gate(generator="qwen2.5-coder-1.5b-instruct", copy="int8") == (0.44, 0.52)
+    assert gate(copy="int8") == (0.415, 0.52) == gate(copy="bf16")
     assert gate(generator="qwen2.5-coder-1.5b-instruct", copy="int8", embedder="BAAI/bge-m3") is None
     assert gate(generator="smollm2-135m-instruct") == (FLOOR, None) == gate(generator="./my-model")
     assert gate(doubt=None) == (FLOOR, None) and gate(doubt=0.6) == (FLOOR, 0.6)

@@ -151,8 +151,8 @@ class Embedder:
         from ragspec.corpus.windows import sentence_spans
 
         sents = sentence_spans(text)
-        ends = [e for _, e in self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-                ["offset_mapping"]]
+        ends = [e for _, e in self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
+                                             verbose=False)["offset_mapping"]]  # no "longer than" warning: cut below
         limit = self.max_tokens
         if len(ends) <= limit or len(sents) < 2:
             return [(0, len(text))]
