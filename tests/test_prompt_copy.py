@@ -81,13 +81,13 @@ def test_copy_is_the_blocks_within_int8_rounding(copied):
 def test_the_copy_is_kept_with_the_packed_blocks(copied):
     """Built once beside the packed blocks (a file of its own) and read back as made: the same outputs as a copy
     made from the blocks here."""
-    from ragspec.models.generator import generator_gguf
     from ragspec.models.gguf_blocks import blocks_path
+    from ragspec.models.gguf_source import gguf_source
     from ragspec.models.int8_linear import Int8Linear
 
     model, _ = copied
     cfg = model.config
-    gguf = generator_gguf(SMOL)
+    gguf = gguf_source(SMOL)
     kept = blocks_path(gguf, cfg.num_attention_heads, cfg.num_key_value_heads, int8_copy=True)
     assert kept.is_file() and kept != blocks_path(gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
     x = torch.randn(5, cfg.hidden_size)

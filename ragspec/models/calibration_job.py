@@ -122,7 +122,7 @@ def run(model: str, cache_dir: Path | None = None, again: bool = False, wait_s: 
     `again`: the table there was measured beside another job; a machine still busy after `wait_s` leaves it as
     it is, and that wait counts as one of its TRIES (machine.busy_try), so a machine that stays busy stops
     starting jobs."""
-    from ragspec.models.machine import TRIES, busy_try, machine_table
+    from ragspec.models.machine import TRIES, busy_try, llama_slower, machine_table
 
     def say(line: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
@@ -137,6 +137,11 @@ def run(model: str, cache_dir: Path | None = None, again: bool = False, wait_s: 
             return table
         say(f"the machine stayed busy for {wait_s:.0f} s: measuring anyway (contended rows are marked)")
     table = machine_table(model, cache_dir=cache_dir, progress=say, again=again)
+    if llama_slower(table) and not table.get("contended"):
+        from ragspec.models.gguf_cache import drop_one_file
+
+        if drop_one_file(model):  # assembled for measuring llama.cpp alone: a GGUF's worth of disk
+            say("llama.cpp measured slower at every shape: its one-file copy of the GGUF removed")
     kept = "" if not table.get("contended") else (
         " (contended: measured again when the machine is quiet)" if table.get("tries", 1) < TRIES
         else f" (contended, kept after {table.get('tries', 1)} tries: `ragspec models --calibrate --force` measures it)")

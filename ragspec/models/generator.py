@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 import weakref
+from pathlib import Path
 
 from ragspec.errors import RagspecError
 from ragspec.models.registry import hub_error, lookup, resolve_hub_or_folder
@@ -26,7 +27,8 @@ def torch_dtype(name: str, what: str):
 
 
 def generator_source(name: str) -> str:
-    """A path or hub id `from_pretrained` can load; embedded GGUF models are converted once and cached."""
+    """A path or hub id `from_pretrained` can load float weights from; embedded GGUF models are converted once and
+    cached (float dtypes only: dtype gguf and llama.cpp never make that folder)."""
     embedded = lookup(name, "generator")
     if embedded is not None:
         from ragspec.models.gguf_cache import ensure_converted
@@ -35,25 +37,43 @@ def generator_source(name: str) -> str:
     return resolve_hub_or_folder(name, "generator")
 
 
+def tokenizer_source(name: str) -> str:
+    """Where `name`'s tokenizer (and config) load from: for a GGUF (embedded, or a local .gguf) the few MB read
+    from its metadata once (`gguf_cache.ensure_meta`), never a converted float folder."""
+
+    if lookup(name, "generator") is not None or Path(name).expanduser().suffix == ".gguf":
+        from ragspec.models.gguf_cache import ensure_meta
+        from ragspec.models.gguf_source import gguf_source
+
+        return str(ensure_meta(gguf_source(name)))
+    return resolve_hub_or_folder(name, "generator")
+
+
 def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
     """(model, tokenizer), the model in eval mode on `device`. On CPU its linears are packed for oneDNN
     (float32; bfloat16 where oneDNN runs it) or, for dtype int8, quantised (`models/int8_linear.py`), or, for
-    dtype gguf, kept in the GGUF's own blocks (`models/gguf_linear.py`)."""
+    dtype gguf, built from the GGUF alone with its linears in the GGUF's own blocks (`models/gguf_model.py`:
+    no float copy on disk or in memory)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dt = torch_dtype(dtype, "generator")
     if dtype in ("int8", "gguf") and device != "cpu":
         raise RagspecError(f"generator dtype {dtype} runs on CPU only: set generator.device: cpu, or use bfloat16 "
                            "on cuda")
-    gguf_file = generator_gguf(name) if dtype == "gguf" else None
-    source = generator_source(name)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dt).to(device)
-    except RagspecError:
-        raise
-    except Exception as exc:
-        raise hub_error(name, "generator", exc) from exc
+    if dtype == "gguf":
+        model, tokenizer = _load_gguf(name)
+    else:
+        if Path(name).expanduser().suffix == ".gguf":
+            raise RagspecError(f"generator dtype {dtype} needs float weights: a .gguf file runs with dtype gguf "
+                               "(or auto), or on generator.backend: llama.cpp")
+        source = generator_source(name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dt).to(device)
+        except RagspecError:
+            raise
+        except Exception as exc:
+            raise hub_error(name, "generator", exc) from exc
     model.eval()
     from ragspec.models.cpu_linear import pack_linears
 
@@ -68,10 +88,6 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
 
         quantize_linears(model)  # every linear but lm_head, which pack_linears packs in float32
     if dtype == "gguf":
-        from ragspec.models.gguf_linear import quantize_from_gguf
-
-        # every linear, lm_head included; the prompt's weight copy as set, or as measured for the model
-        quantize_from_gguf(model, gguf_file, prompt_copy=prompt_copy(name) or False)
         from ragspec.models.fused_layers import fuse_layers
 
         fuse_layers(model)  # MLPs and RMSNorms: one kernel call each
@@ -99,10 +115,43 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
     return model, tokenizer
 
 
-def generator_gguf(name: str):
-    """The GGUF file whose blocks dtype gguf runs: an embedded model's (assembled once), or a local .gguf."""
-    from pathlib import Path
+def prepare_gguf(name: str) -> list:
+    """What dtype gguf keeps for `name`, made now (else on the first ask): its config and tokenizer, and its blocks
+    packed for the kernels (with the int8 prompt copy where this machine reads prompts with it). The paths."""
+    from transformers import AutoConfig
 
+    from ragspec.models.gguf_blocks import blocks_path, packed_blocks
+    from ragspec.models.gguf_cache import ensure_meta
+    from ragspec.models.gguf_source import architecture, gguf_source
+
+    source = gguf_source(name)
+    architecture(source)
+    meta = ensure_meta(source)
+    cfg = AutoConfig.from_pretrained(str(meta))
+    args = (source, cfg.num_attention_heads, cfg.num_key_value_heads, prompt_copy(name) == "int8")
+    packed_blocks(*args)
+    return [meta, blocks_path(*args)]
+
+
+def _load_gguf(name: str):
+    """(model, tokenizer) of dtype gguf: an embedded model's parts or a local .gguf read in place, its config and
+    tokenizer from the GGUF's metadata, every linear on the packed blocks (the prompt's weight copy as set, or as
+    measured for the model)."""
+    from transformers import AutoTokenizer
+
+    from ragspec.models.gguf_cache import ensure_meta
+    from ragspec.models.gguf_model import build
+    from ragspec.models.gguf_source import architecture, gguf_source
+
+    source = gguf_source(name)
+    architecture(source)  # one the kernels run, or one clear line before anything is read
+    meta = ensure_meta(source)
+    tokenizer = AutoTokenizer.from_pretrained(str(meta))
+    return build(source, meta, prompt_copy(name) or False), tokenizer
+
+
+def generator_gguf(name: str):
+    """A GGUF as one file: an embedded model's (assembled once, for llama.cpp and the tests), or a local .gguf."""
     embedded = lookup(name, "generator")
     if embedded is not None:
         from ragspec.models.gguf_cache import gguf_path
@@ -137,26 +186,22 @@ def _gguf_prompt_rows() -> int | None:
 
 
 def load_llama_generator(name: str, n_ctx: int = 4096):
-    """(LlamaCppModel, tokenizer) for the llama.cpp backend: an embedded model's GGUF as shipped (its tokenizer
-    from the converted folder: the same vocabulary), or a local .gguf file (tokenizer read from the GGUF)."""
-    from pathlib import Path
+    """(LlamaCppModel, tokenizer) for the llama.cpp backend: an embedded model's GGUF (its parts assembled once:
+    llama.cpp opens one file), or a local .gguf file; the tokenizer read from the GGUF's metadata once."""
+    from transformers import AutoTokenizer
 
     from ragspec.decoding.backends.llama_cpp import LlamaCppModel
 
     embedded = lookup(name, "generator")
     if embedded is not None:
-        from transformers import AutoTokenizer
-
         from ragspec.models.gguf_cache import gguf_path
 
-        tokenizer = AutoTokenizer.from_pretrained(generator_source(name))
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(name))
         return LlamaCppModel(gguf_path(embedded), n_ctx=n_ctx, name=embedded.name), tokenizer
     path = Path(name).expanduser()
     if path.suffix != ".gguf" or not path.is_file():
         raise RagspecError(f"generator.backend llama.cpp needs an embedded model or a local .gguf file, not '{name}'")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(name))
     return LlamaCppModel(path, n_ctx=n_ctx), tokenizer
 
 

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import struct
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +28,10 @@ import numpy as np
 import torch
 
 from ragspec.errors import RagspecError
+from ragspec.models.gguf_source import ARCHS, parse_header
 from ragspec.paths import ragspec_home
 
 log = logging.getLogger(__name__)
-ARCHS = ("llama", "qwen2")
 PARTS = ("w", "wh", "d", "mn")
 COPY = ("q8", "q8s")
 
@@ -65,25 +66,33 @@ def packing_digest() -> str:
     return hashlib.sha256(text).hexdigest()[:10]
 
 
-def blocks_path(gguf_file, heads: int, kv_heads: int, int8_copy: bool = False) -> Path:
-    """Where `gguf_file`'s packing is kept (see the module for what its name's key holds); with the int8 prompt
-    copy, a file of its own ("blocks8"), so processes with and without it never remove each other's."""
-    src = Path(gguf_file).resolve()
-    st = src.stat()
-    key = hashlib.sha256(f"{src}|{st.st_size}|{st.st_mtime_ns}|{packing_digest()}|{heads}|{kv_heads}".encode())
-    return ragspec_home() / "models" / f"{src.stem}.{_tag(int8_copy)}-{key.hexdigest()[:12]}.safetensors"
+def _source(gguf):
+    from ragspec.models.gguf_source import GGUFSource, file_source
+
+    return gguf if isinstance(gguf, GGUFSource) else file_source(gguf)
+
+
+def blocks_path(gguf, heads: int, kv_heads: int, int8_copy: bool = False) -> Path:
+    """Where the packing of `gguf` (a path or a `GGUFSource`) is kept (see the module for what its name's key
+    holds); with the int8 prompt copy, a file of its own ("blocks8"), so processes with and without it never
+    remove each other's."""
+    src = _source(gguf)
+    key = hashlib.sha256(f"{src.key}|{packing_digest()}|{heads}|{kv_heads}".encode())
+    return ragspec_home() / "models" / f"{src.name}.{_tag(int8_copy)}-{key.hexdigest()[:12]}.safetensors"
 
 
 def _tag(int8_copy: bool) -> str:
     return "blocks8" if int8_copy else "blocks"
 
 
-def packed_blocks(gguf_file, heads: int, kv_heads: int, int8_copy: bool = False) -> tuple[str, dict[str, Packed]]:
-    """(architecture, {HF module name: Packed}) for every linear of `gguf_file`, `lm_head` included (from
-    `output.weight`, or the tied `token_embd.weight`): read from its packing, or packed here and kept. With
-    `int8_copy`, every linear but lm_head also holds its int8 prompt copy (`gguf_formats.int8_copy`): building it
-    at load took the 1.5B 11.6 s of every process's start."""
-    path = blocks_path(gguf_file, heads, kv_heads, int8_copy)
+def packed_blocks(gguf, heads: int, kv_heads: int, int8_copy: bool = False) -> tuple[str, dict[str, Packed]]:
+    """(architecture, {HF module name: Packed}) for every linear of `gguf` (a path or a `GGUFSource`), `lm_head`
+    included (from `output.weight`, or the tied `token_embd.weight`): read from its packing, or packed here and
+    kept (an embedded model's parts checked against their sha256 first). With `int8_copy`, every linear but
+    lm_head also holds its int8 prompt copy (`gguf_formats.int8_copy`): building it at load took the 1.5B 11.6 s
+    of every process's start."""
+    src = _source(gguf)
+    path = blocks_path(src, heads, kv_heads, int8_copy)
     got = _read(path)
     if got is not None:
         return got
@@ -94,10 +103,13 @@ def packed_blocks(gguf_file, heads: int, kv_heads: int, int8_copy: bool = False)
         if got is None:
             from ragspec.console import status
 
-            with status(f"Packing {Path(gguf_file).name}'s blocks for the kernels once (a few seconds; kept "
-                        f"in {path.parent})"):
-                got = _pack(gguf_file, heads, kv_heads, int8_copy)
-                _write(path, *got)
+            with status(f"Packing {src.label}'s blocks for the kernels once (a few seconds; kept in "
+                        f"{path.parent})"):
+                src.verify()
+                if _write(path, *_pack(src, heads, kv_heads, int8_copy, lazy=True)):
+                    got = _read(path)  # each linear was written as packed: the whole packing held once, here
+                if got is None:  # not kept (a full or read-only disk): packed again, held in memory
+                    got = _pack(src, heads, kv_heads, int8_copy)
     return got
 
 
@@ -106,91 +118,82 @@ class Tensor:
     name: str
     type_name: str  # ggml's, e.g. Q4_K
     shape: tuple[int, ...]  # ggml's order: the innermost dimension first
-    data: np.ndarray  # the raw bytes, uint8 (a view of the mapped file)
+    span: Callable[[int, int], np.ndarray]  # bytes [lo, hi) of the tensor: a view of the mapped part where it can
+    nbytes: int
+
+    @property
+    def data(self) -> np.ndarray:
+        """The raw bytes, uint8: a view of the mapped file (a copy where the tensor straddles two parts)."""
+        return self.span(0, self.nbytes)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """The bytes of rows `ids` of a 2-D tensor, [len(ids), bytes a row], read without the rest of the table."""
+        width = self.nbytes // self.shape[1]
+        return np.stack([self.span(int(i) * width, (int(i) + 1) * width) for i in ids]) if len(ids) else \
+            np.empty((0, width), np.uint8)
 
 
-def read_tensors(gguf_file) -> tuple[str, dict[str, Tensor]]:
-    """(general.architecture, {name: Tensor}) of a GGUF (v2, v3), its metadata skipped but for the architecture
-    and the alignment. `gguf.GGUFReader` (the tests' reference) turns every metadata value into arrays first:
-    8.5 s for the 1.5B's vocabulary and merges, against well under a second here."""
+def read_tensors(gguf) -> tuple[str, dict[str, Tensor]]:
+    """(general.architecture, {name: Tensor}) of a GGUF (v2, v3; a path or a `GGUFSource` in parts), its metadata
+    skipped but for the architecture and the alignment. Each tensor's bytes are a view of its mapped part (copied
+    only where one straddles two parts). `gguf.GGUFReader` (the tests' reference) turns every metadata value into
+    arrays first: 8.5 s for the 1.5B's vocabulary and merges, against well under a second here."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    raw = np.memmap(gguf_file, dtype=np.uint8, mode="r")
-    buf = memoryview(raw)
-    if bytes(buf[:4]) != b"GGUF":
-        raise RagspecError(f"{gguf_file} is not a GGUF file")
-    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-    if version < 2:
-        raise RagspecError(f"{gguf_file}: GGUF version {version} is not read here")
-    pos = 24
+    from ragspec.models.gguf_source import GGUFSource, file_source
 
-    def string(at):
-        (n,) = struct.unpack_from("<Q", buf, at)
-        return bytes(buf[at + 8 : at + 8 + n]).decode("utf-8", "replace"), at + 8 + n
+    source = gguf if isinstance(gguf, GGUFSource) else file_source(gguf) if Path(gguf).suffix == ".gguf" else None
+    parts = source.parts if source is not None else (Path(gguf),)
+    maps = [np.memmap(p, dtype=np.uint8, mode="r") for p in parts]
+    label = source.label if source is not None else str(gguf)
+    try:
+        meta, infos, start = source.parsed() if source is not None else parse_header(memoryview(maps[0]))
+    except RagspecError as exc:
+        raise RagspecError(exc.args[0] if source is not None else f"{label}: {exc}") from None
+    except struct.error:
+        raise RagspecError(f"{label}: the GGUF header is cut short") from None
+    ends = np.cumsum([len(m) for m in maps])
 
-    def skip(kind, at) -> int:  # the position past one value of this type
-        if kind in _SCALAR:
-            return at + _SCALAR[kind]
-        if kind == 8:
-            return string(at)[1]
-        if kind != 9:
-            raise RagspecError(f"{gguf_file}: metadata value of unknown type {kind}")
-        elem, count = struct.unpack_from("<IQ", buf, at)
-        at += 12
-        if elem in _SCALAR:
-            return at + count * _SCALAR[elem]
-        for _ in range(count):
-            at = skip(elem, at)
-        return at
+    def span(lo: int, hi: int) -> np.ndarray:
+        i = int(np.searchsorted(ends, lo, side="right"))
+        base = ends[i] - len(maps[i])
+        if hi <= ends[i]:
+            return maps[i][lo - base : hi - base]
+        return np.concatenate([maps[i][lo - base :], span(int(ends[i]), hi)])  # straddles a part boundary
 
-    meta = {}
-    for _ in range(n_kv):
-        key, pos = string(pos)
-        (kind,) = struct.unpack_from("<I", buf, pos)
-        pos += 4
-        if key == "general.architecture" and kind == 8:
-            meta[key], pos = string(pos)
-        elif key == "general.alignment" and kind == 4:
-            (meta[key],) = struct.unpack_from("<I", buf, pos)
-            pos += 4
-        else:
-            pos = skip(kind, pos)
-    infos = []
-    for _ in range(n_tensors):
-        name, pos = string(pos)
-        (n_dims,) = struct.unpack_from("<I", buf, pos)
-        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
-        kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
-        pos += 4 + 8 * n_dims + 12
-        infos.append((name, dims, kind, offset))
-    align = int(meta.get("general.alignment", 32))
-    start = -(-pos // align) * align
     tensors = {}
     for name, dims, kind, offset in infos:
         qtype = GGMLQuantizationType(kind)
         block, size = GGML_QUANT_SIZES[qtype]
         nbytes = int(np.prod(dims)) // block * size
+        at = start + offset
+        if at + nbytes > ends[-1]:
+            raise RagspecError(f"{label}: tensor {name} runs past the end of the file")
         tensors[name] = Tensor(name, qtype.name, tuple(int(d) for d in dims),
-                               raw[start + offset : start + offset + nbytes])
+                               functools.partial(lambda lo, hi, at: span(at + lo, at + hi), at=at), nbytes)
     return meta.get("general.architecture", ""), tensors
 
 
-_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF metadata type -> bytes
 
 
-def _pack(gguf_file, heads: int, kv_heads: int, int8_copy: bool = False) -> tuple[str, dict[str, Packed]]:
+def _pack(gguf, heads: int, kv_heads: int, int8_copy: bool = False, lazy: bool = False):
+    """(architecture, {HF module name: Packed}); with `lazy`, the linears as an iterator of (name, Packed) pairs,
+    packed as they are taken (so a writer holds a few at a time, not the model's worth)."""
     from ragspec.models.gguf_formats import hf_module_name
 
-    arch, tensors = read_tensors(gguf_file)
+    arch, tensors = read_tensors(gguf)
     if arch not in ARCHS:
         raise RagspecError(f"generator dtype gguf knows Llama and Qwen2 GGUFs, not '{arch}'")
     if "output.weight" not in tensors and "token_embd.weight" in tensors:
         tensors["output.weight"] = tensors["token_embd.weight"]  # tied embedding: the head reads the same blocks
     todo = [(target, t) for name, t in tensors.items() if (target := hf_module_name(name)) is not None]
     # numpy lets go of the GIL in the byte shuffles, so the tensors pack side by side on every core
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # at most 8 tensors' copies at once
-        packed = pool.map(lambda job: _pack_one(arch, *job, heads, kv_heads, int8_copy), todo)
-        return arch, dict(zip((target for target, _ in todo), packed))
+    def packed():
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # ≤ 8 tensors' copies at once
+            yield from zip((target for target, _ in todo),
+                           pool.map(lambda job: _pack_one(arch, *job, heads, kv_heads, int8_copy), todo))
+
+    return (arch, packed()) if lazy else (arch, dict(packed()))
 
 
 def _pack_one(arch: str, target: str, t: Tensor, heads: int, kv_heads: int, int8_copy: bool = False) -> Packed:
@@ -210,25 +213,53 @@ def _pack_one(arch: str, target: str, t: Tensor, heads: int, kv_heads: int, int8
     return Packed(t.type_name, fmt, rows, cols, w, wh, sd, smn, *copy)
 
 
-def _write(path: Path, arch: str, packed: dict[str, Packed]) -> None:
-    from safetensors.torch import save_file
+_DTYPES = {torch.uint8: "U8", torch.int8: "I8", torch.float32: "F32", torch.float16: "F16", torch.int16: "I16",
+           torch.int32: "I32", torch.bfloat16: "BF16"}
 
-    tensors = {f"{name}/{p}": getattr(b, p).contiguous() for name, b in packed.items() for p in PARTS + COPY
-               if getattr(b, p) is not None}
-    meta = {"arch": arch, "linears": json.dumps({n: [b.gguf_type, b.fmt, b.rows, b.cols] for n, b in packed.items()})}
+
+def _write(path: Path, arch: str, packed) -> bool:
+    """The (name, Packed) pairs as one safetensors file, each tensor written as it comes (the header, padded with
+    spaces as the format allows, goes in front at the end): a packing is never held whole to be written.
+    Older packings of the same GGUF are removed then. False where it could not be kept."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    entries, linears, offset = {}, {}, 0
     try:
-        save_file(tensors, str(tmp), metadata=meta)
+        with open(tmp, "wb") as f:
+            f.seek(8 + _HEADER_ROOM)
+            for name, b in packed:
+                linears[name] = [b.gguf_type, b.fmt, b.rows, b.cols]
+                if len(linears) * _HEADER_PER_LINEAR > _HEADER_ROOM:
+                    raise OSError("more linears than the header has room for")
+                for part in PARTS + COPY:
+                    t = getattr(b, part)
+                    if t is None:
+                        continue
+                    data = t.contiguous().view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+                    f.write(memoryview(data))
+                    entries[f"{name}/{part}"] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                                                 "data_offsets": [offset, offset + data.nbytes]}
+                    offset += data.nbytes
+            head = json.dumps({"__metadata__": {"arch": arch, "linears": json.dumps(linears)}, **entries},
+                              separators=(",", ":")).encode()
+            if len(head) > _HEADER_ROOM:
+                raise OSError("the header outgrew its room")
+            f.seek(0)
+            f.write(struct.pack("<Q", _HEADER_ROOM) + head + b" " * (_HEADER_ROOM - len(head)))
         os.replace(tmp, path)
     except OSError as exc:  # a full or read-only disk: this load goes on without a kept packing
         log.warning("could not keep the packed GGUF blocks in %s: %s", path, exc)
         tmp.unlink(missing_ok=True)
-        return
+        return False
     tag = path.name.split(".")[-2].split("-")[0]  # blocks or blocks8
     stem = path.name.split(f".{tag}-")[0]
     for old in path.parent.glob(f"{stem}.{tag}-*"):  # older packings of this kind and their locks
         if not old.name.startswith(path.name):
             old.unlink(missing_ok=True)
+    return True
+
+
+_HEADER_PER_LINEAR = 1024  # bytes of safetensors header a linear may take (its 4-6 entries: ~600)
+_HEADER_ROOM = 2048 * _HEADER_PER_LINEAR  # 2 MB of room in front: models of up to 2,048 linears
 
 
 def _read(path: Path) -> tuple[str, dict[str, Packed]] | None:

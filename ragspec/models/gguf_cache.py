@@ -1,7 +1,13 @@
-"""Convert an embedded GGUF model once into a normal Hugging Face folder under `$RAGSPEC_HOME/models/`.
+"""What is kept under `$RAGSPEC_HOME/models/` from a GGUF, besides its packed blocks (`gguf_blocks.py`).
 
-transformers needs 24-43 s to de-quantize a GGUF file; loading the converted folder takes a few seconds.
-The folder is built in a temporary directory and renamed into place only when complete, and it carries a
+- Its config and tokenizer (`ensure_meta`: a few MB, for every dtype and backend): read from the GGUF's metadata
+  once (transformers takes 3-9 s to parse a vocabulary), then loaded from the folder in well under a second.
+- A float Hugging Face folder (`ensure_converted`), only for the dtypes that need float weights (float32,
+  bfloat16, int8, CUDA): transformers needs 24-43 s to de-quantize a GGUF, and the folder is 4x-6x the GGUF
+  (6.7 GB for the 1.5B), so dtype gguf never makes it.
+- An embedded model's parts assembled into one file (`gguf_path`), only for llama.cpp, which opens one file.
+
+Folders are built in a temporary directory and renamed into place only when complete, and carry a
 `ragspec-cache.json` (written last) with the sha256 of the source and of every file, so an interrupted
 conversion never leaves an entry that looks valid.
 """
@@ -133,6 +139,65 @@ def _convert(model: EmbeddedModel, target: Path) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def meta_dir(source) -> Path:
+    """Where the config and tokenizer of a `GGUFSource` are kept: named by its stem and key."""
+    import hashlib
+
+    key = hashlib.sha256(source.key.encode()).hexdigest()[:12]
+    return ragspec_home() / "models" / f"{source.name}.meta-{key}"
+
+
+def ensure_meta(source) -> Path:
+    """A folder with the config.json and tokenizer files of a `GGUFSource` (a GGUF's own metadata, chat template
+    included), made once; a folder made for an older version of the same file is removed then."""
+    target = meta_dir(source)
+    if _meta_valid(target, source):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _meta_valid(target, source):
+            return target
+        from transformers import AutoConfig, AutoTokenizer
+
+        from ragspec.console import status
+
+        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            with status(f"Reading {source.label}'s config and tokenizer once (a few seconds; kept in "
+                        f"{target.parent})"):
+                gguf = source.stub(work / "header.gguf")  # the metadata without the tensors' bytes
+                out = work / "meta"
+                AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+                AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+            files = {str(p.relative_to(out)): {"size": p.stat().st_size} for p in sorted(out.rglob("*"))
+                     if p.is_file()}
+            (out / MARKER).write_text(json.dumps({"source": source.key, "files": files}, indent=2))
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(out, target)
+        except RagspecError:
+            raise
+        except Exception as exc:  # whatever transformers raised for this file, as one line
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise RagspecError(f"{source.label}: could not read its config and tokenizer ({first})") from exc
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        stem = target.name.split(".meta-")[0]
+        for old in target.parent.glob(f"{stem}.meta-*"):  # the same file's older versions
+            if old != target and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def _meta_valid(folder: Path, source) -> bool:
+    marker = read_marker(folder)
+    if not marker or marker.get("source") != source.key or not marker.get("files"):
+        return False
+    return all((folder / rel).is_file() and (folder / rel).stat().st_size == m["size"]
+               for rel, m in marker["files"].items())
+
+
 def gguf_path(model: EmbeddedModel) -> Path:
     """The embedded model's GGUF as one file, for llama.cpp: the package's own file when it ships in one part,
     else the parts assembled once into `$RAGSPEC_HOME/models/` (renamed into place when complete)."""
@@ -151,3 +216,46 @@ def gguf_path(model: EmbeddedModel) -> Path:
         assemble_gguf(model, tmp)  # checks the sha256
         os.replace(tmp, target)
     return target
+
+
+def drop_one_file(name: str) -> bool:
+    """Remove an embedded model's assembled one-file GGUF (llama.cpp's), where one was made; True if removed. A
+    llama.cpp ask later assembles it again (about 2 s a GB)."""
+    from ragspec.models.registry import lookup
+
+    model = lookup(name, "generator")
+    if model is None or len(model.parts) == 1:
+        return False
+    target = ragspec_home() / "models" / f"{model.name}-{model.sha256[:12]}.gguf"
+    if not target.is_file():
+        return False
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # not under a process assembling it
+        if not target.is_file():
+            return False
+        target.unlink()
+    return True
+
+
+def kept_bytes(model: EmbeddedModel) -> dict[str, int]:
+    """What `$RAGSPEC_HOME/models` holds for an embedded GGUF model, in bytes by kind: the packed blocks (with the
+    int8 prompt copy where the machine uses it), its config and tokenizer, the float folder (float dtypes only)
+    and the one-file copy (llama.cpp only). Kinds with nothing kept are left out."""
+    root = ragspec_home() / "models"
+    stem = f"{model.name}-{model.sha256[:12]}"
+    out: dict[str, int] = {}
+
+    def add(kind: str, path: Path) -> None:
+        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+        out[kind] = out.get(kind, 0) + size
+
+    for path in root.glob(f"{stem}*"):
+        if ".blocks" in path.name and path.suffix == ".safetensors":
+            add("packed blocks", path)
+        elif ".meta-" in path.name and path.is_dir():
+            add("config and tokenizer", path)
+        elif path.name == stem and path.is_dir():
+            add("float folder", path)
+        elif path.name == f"{stem}.gguf":
+            add("one-file GGUF (llama.cpp)", path)
+    return out

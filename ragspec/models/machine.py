@@ -137,7 +137,7 @@ def has_gguf(model: str) -> bool:
 
 
 def _transformers(cpu: dict, model: str) -> str | None:
-    return "a .gguf file runs on llama.cpp only" if is_gguf_file(model) else None
+    return "a .gguf file runs on its blocks (dtype gguf) or on llama.cpp" if is_gguf_file(model) else None
 
 
 def _transformers_bf16(cpu: dict, model: str) -> str | None:
@@ -158,7 +158,14 @@ def _transformers_gguf(cpu: dict, model: str) -> str | None:
     from ragspec.models.registry import lookup
 
     if lookup(model, "generator") is None:
-        return "dtype gguf runs an embedded model's GGUF blocks"
+        if not (is_gguf_file(model) and Path(model).expanduser().is_file()):
+            return "dtype gguf runs an embedded model's GGUF blocks or a local .gguf file"
+        from ragspec.models.gguf_source import architecture, file_source
+
+        try:
+            architecture(file_source(model))
+        except RagspecError as exc:
+            return str(exc)
     if "avx2" not in cpu.get("flags", ()):
         return "no AVX2: the GGUF kernels would run as plain C"
     if not (shutil.which("c++") or shutil.which("g++")):
@@ -219,13 +226,18 @@ def ruled_out(runnable: list[str], cpu: dict, path: Path) -> dict[str, str]:
         for other in sorted(path.parent.glob(f"machine-*{same_cpu}*.json")):
             if other == path or (table := read_json(other)) is None or table.get("contended"):
                 continue
-            rows = {f"{r['backend']}/{r['dtype']}": r for r in table.get("candidates", []) if "prefill_tps" in r}
-            g, ll = rows.get("transformers/gguf"), rows.get("llama.cpp/gguf")
-            if g and ll and g["prefill_tps"] > ll["prefill_tps"] and all(a < b for a, b in zip(g["ms"], ll["ms"])):
+            if llama_slower(table):
                 out["llama.cpp/gguf"] = (f"slower than transformers/gguf at every shape in this machine's table of "
                                          f"{table.get('model')}")
                 break
     return out
+
+
+def llama_slower(table: dict) -> bool:
+    """A table measured llama.cpp slower than transformers/gguf in prefill and at every t(n)."""
+    rows = {f"{r['backend']}/{r['dtype']}": r for r in table.get("candidates", []) if "prefill_tps" in r}
+    g, ll = rows.get("transformers/gguf"), rows.get("llama.cpp/gguf")
+    return bool(g and ll and g["prefill_tps"] > ll["prefill_tps"] and all(a < b for a, b in zip(g["ms"], ll["ms"])))
 
 
 # -- the calibration table -----------------------------------------------------------------------------------
