@@ -194,7 +194,7 @@ def test_an_architecture_the_kernels_do_not_run_is_one_clear_line(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(RagspecError, match="architecture 'falcon' is not one the GGUF kernels run"):
+    with pytest.raises(RagspecError, match=r"architecture 'falcon' is not one the GGUF kernels run"):
         load_generator(str(path), "cpu", "gguf")
-    with pytest.raises(RagspecError, match="not an embedded model or a local .gguf"):
+    with pytest.raises(RagspecError, match=r"not an embedded model or a local \.gguf"):
         load_generator(str(tmp_path / "missing.gguf"), "cpu", "gguf")
