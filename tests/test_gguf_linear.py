@@ -78,6 +78,23 @@ def test_pack_round_trips(fmt):
     assert np.array_equal(unpack(fmt, w, wh, 20).numpy(), q.astype(np.int16))
 
 
+@pytest.mark.parametrize("fmt", PACKED)
+def test_int8_copy_is_made_with_the_torch_reference_bits(fmt):
+    """`int8_copy.cpp` (the prompt copy made at load) gives `gguf_formats.int8_copy`'s int8 values and scales
+    exactly, on 203 outputs (not a multiple of the kernel's 8) and with an all-zero row."""
+    from ragspec.models.gguf_formats import FORMATS, int8_copy
+
+    cols = 768 if fmt in SUPER else 640
+    lin = random_linear(fmt, 203, cols, seed=3)
+    if fmt in ("u4", "u5", "s8"):
+        lin.d[-1, :, 2] = 0  # output 202's scales: a row of zeros
+        if lin.mn.numel():
+            lin.mn[-1, :, 2] = 0
+    q, scale = int8_copy(lin.fmt, lin.w, lin.wh, lin.d, lin.mn, 203, cols)
+    got_q, got_scale = lin.ops.int8_copy(lin.w, lin.wh, lin.d, lin.mn, FORMATS[fmt], 203, cols)
+    assert got_q.dtype == torch.int8 and torch.equal(got_q, q) and torch.equal(got_scale, scale)
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_kernel_equals_dequantized_reference(fmt):
     """y = quantized x · Wᵀ within float rounding (the int8 activation error is in the reference too)."""

@@ -78,21 +78,29 @@ def test_copy_is_the_blocks_within_int8_rounding(copied):
         assert not torch.equal(got, lin(x))  # outside a prompt forward the blocks run
 
 
-def test_the_copy_is_kept_with_the_packed_blocks(copied):
-    """Built once beside the packed blocks (a file of its own) and read back as made: the same outputs as a copy
-    made from the blocks here."""
+def test_the_copy_is_made_from_the_packed_blocks_at_load(copied):
+    """Not kept on disk (only the blocks are): made at load by `int8_copy.cpp` with the bits of the torch
+    reference (`gguf_formats.int8_copy`), so the same outputs as a copy made from the de-quantized weight."""
+    from safetensors import safe_open
+
     from ragspec.models.gguf_blocks import blocks_path
+    from ragspec.models.gguf_formats import int8_copy
     from ragspec.models.gguf_source import gguf_source
     from ragspec.models.int8_linear import Int8Linear
 
     model, _ = copied
     cfg = model.config
-    gguf = gguf_source(SMOL)
-    kept = blocks_path(gguf, cfg.num_attention_heads, cfg.num_key_value_heads, int8_copy=True)
-    assert kept.is_file() and kept != blocks_path(gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
-    x = torch.randn(5, cfg.hidden_size)
-    for name in ("model.layers.0.self_attn.k_proj", "model.layers.7.mlp.gate_proj"):
+    kept = blocks_path(gguf_source(SMOL), cfg.num_attention_heads, cfg.num_key_value_heads)
+    with safe_open(str(kept), framework="pt") as f:
+        assert all(key.rsplit("/", 1)[1] in ("w", "wh", "d", "mn") for key in f.keys())
+    assert not list(kept.parent.glob(kept.name.split(".blocks-")[0] + ".blocks8-*"))  # an older packing with it
+    for name in ("model.layers.0.self_attn.k_proj", "model.layers.7.mlp.gate_proj", "model.layers.3.mlp.down_proj"):
         lin = model.get_submodule(name)
+        x = torch.randn(5, lin.in_features)
+        q, scale = int8_copy(lin.fmt, lin.w, lin.wh, lin.d, lin.mn, lin.out_features, lin.in_features)
+        assert torch.equal(lin.prompt_int8.w_scale.reshape(-1), scale), name
+        if hasattr(lin.prompt_int8, "w_q"):  # the int_mm kernel's weights as made
+            assert torch.equal(lin.prompt_int8.w_q, q), name
         assert torch.equal(lin.prompt_int8(x), Int8Linear.from_weight(lin.dequantize(), lin.bias)(x)), name
 
 

@@ -117,7 +117,7 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
 
 def prepare_gguf(name: str) -> list:
     """What dtype gguf keeps for `name`, made now (else on the first ask): its config and tokenizer, and its blocks
-    packed for the kernels (with the int8 prompt copy where this machine reads prompts with it). The paths."""
+    packed for the kernels (the int8 prompt copy is made from them at each load). The paths."""
     from transformers import AutoConfig
 
     from ragspec.models.gguf_blocks import blocks_path, packed_blocks
@@ -128,7 +128,7 @@ def prepare_gguf(name: str) -> list:
     architecture(source)
     meta = ensure_meta(source)
     cfg = AutoConfig.from_pretrained(str(meta))
-    args = (source, cfg.num_attention_heads, cfg.num_key_value_heads, prompt_copy(name) == "int8")
+    args = (source, cfg.num_attention_heads, cfg.num_key_value_heads)
     packed_blocks(*args)
     return [meta, blocks_path(*args)]
 

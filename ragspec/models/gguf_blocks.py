@@ -5,7 +5,7 @@ Why: decoding a GGUF's blocks and re-laying them for the kernel takes 1.8 s (0.5
 process's start). The packed tensors are what the kernel reads, so they are kept as one safetensors file under
 `$RAGSPEC_HOME/models/` and later loads read that (0.4 and 1.0 GB). The file's name carries
 a key: the GGUF's path, size and modification time, the packing code (this module, `gguf_formats.py` and
-`int8_linear.quantize_rows`, which makes the int8 copy's numbers) and the head counts Llama's q/k rows are un-permuted by; so a changed file or packing never reuses it. It
+the head counts Llama's q/k rows are un-permuted by; so a changed file or packing never reuses it. It
 is written under a temporary name and renamed when complete (one writer at a time, by a lock), older packings of
 the same GGUF are removed then, and a file that does not read back whole is deleted and packed again.
 """
@@ -33,7 +33,6 @@ from ragspec.paths import ragspec_home
 
 log = logging.getLogger(__name__)
 PARTS = ("w", "wh", "d", "mn")
-COPY = ("q8", "q8s")
 
 
 @dataclass(frozen=True)
@@ -48,21 +47,14 @@ class Packed:
     wh: torch.Tensor
     d: torch.Tensor
     mn: torch.Tensor
-    q8: torch.Tensor | None = None  # the int8 prompt copy (int8 [rows, cols]) and its scale per row, when kept
-    q8s: torch.Tensor | None = None
 
 
 @functools.lru_cache(maxsize=1)
 def packing_digest() -> str:
-    """Names the code whose output is kept: the packing (this module), the formats, and the int8 copy's rule. Not
-    the modules that run the kernels, so an edit there keeps every machine's packings."""
-    import inspect
-
-    from ragspec.models.int8_linear import QMAX, quantize_rows
-
+    """Names the code whose output is kept: the packing (this module) and the formats. Not the modules that run
+    the kernels, so an edit there keeps every machine's packings."""
     here = Path(__file__)
     text = here.read_bytes() + here.with_name("gguf_formats.py").read_bytes()
-    text += f"{inspect.getsource(quantize_rows)}|{QMAX}".encode()
     return hashlib.sha256(text).hexdigest()[:10]
 
 
@@ -72,27 +64,21 @@ def _source(gguf):
     return gguf if isinstance(gguf, GGUFSource) else file_source(gguf)
 
 
-def blocks_path(gguf, heads: int, kv_heads: int, int8_copy: bool = False) -> Path:
+def blocks_path(gguf, heads: int, kv_heads: int) -> Path:
     """Where the packing of `gguf` (a path or a `GGUFSource`) is kept (see the module for what its name's key
-    holds); with the int8 prompt copy, a file of its own ("blocks8"), so processes with and without it never
-    remove each other's."""
+    holds)."""
     src = _source(gguf)
     key = hashlib.sha256(f"{src.key}|{packing_digest()}|{heads}|{kv_heads}".encode())
-    return ragspec_home() / "models" / f"{src.name}.{_tag(int8_copy)}-{key.hexdigest()[:12]}.safetensors"
+    return ragspec_home() / "models" / f"{src.name}.blocks-{key.hexdigest()[:12]}.safetensors"
 
 
-def _tag(int8_copy: bool) -> str:
-    return "blocks8" if int8_copy else "blocks"
-
-
-def packed_blocks(gguf, heads: int, kv_heads: int, int8_copy: bool = False) -> tuple[str, dict[str, Packed]]:
+def packed_blocks(gguf, heads: int, kv_heads: int) -> tuple[str, dict[str, Packed]]:
     """(architecture, {HF module name: Packed}) for every linear of `gguf` (a path or a `GGUFSource`), `lm_head`
     included (from `output.weight`, or the tied `token_embd.weight`): read from its packing, or packed here and
-    kept (an embedded model's parts checked against their sha256 first). With `int8_copy`, every linear but
-    lm_head also holds its int8 prompt copy (`gguf_formats.int8_copy`): building it at load took the 1.5B 11.6 s
-    of every process's start."""
+    kept (an embedded model's parts checked against their sha256 first). The int8 prompt copy is not kept: it
+    is made from these at load (`int8_copy.cpp`, 1 byte a weight that disk need not hold twice)."""
     src = _source(gguf)
-    path = blocks_path(src, heads, kv_heads, int8_copy)
+    path = blocks_path(src, heads, kv_heads)
     got = _read(path)
     if got is not None:
         return got
@@ -106,10 +92,10 @@ def packed_blocks(gguf, heads: int, kv_heads: int, int8_copy: bool = False) -> t
             with status(f"Packing {src.label}'s blocks for the kernels once (a few seconds; kept in "
                         f"{path.parent})"):
                 src.verify()
-                if _write(path, *_pack(src, heads, kv_heads, int8_copy, lazy=True)):
+                if _write(path, *_pack(src, heads, kv_heads, lazy=True)):
                     got = _read(path)  # each linear was written as packed: the whole packing held once, here
                 if got is None:  # not kept (a full or read-only disk): packed again, held in memory
-                    got = _pack(src, heads, kv_heads, int8_copy)
+                    got = _pack(src, heads, kv_heads)
     return got
 
 
@@ -155,11 +141,15 @@ def read_tensors(gguf) -> tuple[str, dict[str, Tensor]]:
     ends = np.cumsum([len(m) for m in maps])
 
     def span(lo: int, hi: int) -> np.ndarray:
-        i = int(np.searchsorted(ends, lo, side="right"))
-        base = ends[i] - len(maps[i])
-        if hi <= ends[i]:
-            return maps[i][lo - base : hi - base]
-        return np.concatenate([maps[i][lo - base :], span(int(ends[i]), hi)])  # straddles a part boundary
+        pieces = []
+        while True:  # a loop, not a recursion: a function that refers to itself is a cycle, and the cycle kept
+            i = int(np.searchsorted(ends, lo, side="right"))  # every page the packing read mapped until a gc
+            base = ends[i] - len(maps[i])
+            if hi <= ends[i]:
+                pieces.append(maps[i][lo - base : hi - base])
+                return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)  # straddles a part boundary
+            pieces.append(maps[i][lo - base :])
+            lo = int(ends[i])
 
     tensors = {}
     for name, dims, kind, offset in infos:
@@ -176,7 +166,7 @@ def read_tensors(gguf) -> tuple[str, dict[str, Tensor]]:
 
 
 
-def _pack(gguf, heads: int, kv_heads: int, int8_copy: bool = False, lazy: bool = False):
+def _pack(gguf, heads: int, kv_heads: int, lazy: bool = False):
     """(architecture, {HF module name: Packed}); with `lazy`, the linears as an iterator of (name, Packed) pairs,
     packed as they are taken (so a writer holds a few at a time, not the model's worth)."""
     from ragspec.models.gguf_formats import hf_module_name
@@ -191,14 +181,13 @@ def _pack(gguf, heads: int, kv_heads: int, int8_copy: bool = False, lazy: bool =
     def packed():
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # ≤ 8 tensors' copies at once
             yield from zip((target for target, _ in todo),
-                           pool.map(lambda job: _pack_one(arch, *job, heads, kv_heads, int8_copy), todo))
+                           pool.map(lambda job: _pack_one(arch, *job, heads, kv_heads), todo))
 
     return (arch, packed()) if lazy else (arch, dict(packed()))
 
 
-def _pack_one(arch: str, target: str, t: Tensor, heads: int, kv_heads: int, int8_copy: bool = False) -> Packed:
+def _pack_one(arch: str, target: str, t: Tensor, heads: int, kv_heads: int) -> Packed:
     from ragspec.models.gguf_formats import _unpermute_rows, decode_blocks, pack, scale_tensors
-    from ragspec.models.gguf_formats import int8_copy as make_copy
 
     cols, rows = t.shape[:2]  # ggml lists the innermost dimension first
     fmt, q, d, m = decode_blocks(t.data, t.type_name, rows, cols)
@@ -209,8 +198,7 @@ def _pack_one(arch: str, target: str, t: Tensor, heads: int, kv_heads: int, int8
         m = None if m is None else m[order]
     w, wh = pack(fmt, q)
     sd, smn = scale_tensors(fmt, d, m)
-    copy = make_copy(fmt, w, wh, sd, smn, rows, cols) if int8_copy and target != "lm_head" else (None, None)
-    return Packed(t.type_name, fmt, rows, cols, w, wh, sd, smn, *copy)
+    return Packed(t.type_name, fmt, rows, cols, w, wh, sd, smn)
 
 
 _DTYPES = {torch.uint8: "U8", torch.int8: "I8", torch.float32: "F32", torch.float16: "F16", torch.int16: "I16",
@@ -230,7 +218,7 @@ def _write(path: Path, arch: str, packed) -> bool:
                 linears[name] = [b.gguf_type, b.fmt, b.rows, b.cols]
                 if len(linears) * _HEADER_PER_LINEAR > _HEADER_ROOM:
                     raise OSError("more linears than the header has room for")
-                for part in PARTS + COPY:
+                for part in PARTS:
                     t = getattr(b, part)
                     if t is None:
                         continue
@@ -250,10 +238,9 @@ def _write(path: Path, arch: str, packed) -> bool:
         log.warning("could not keep the packed GGUF blocks in %s: %s", path, exc)
         tmp.unlink(missing_ok=True)
         return False
-    tag = path.name.split(".")[-2].split("-")[0]  # blocks or blocks8
-    stem = path.name.split(f".{tag}-")[0]
-    for old in path.parent.glob(f"{stem}.{tag}-*"):  # older packings of this kind and their locks
-        if not old.name.startswith(path.name):
+    stem = path.name.split(".blocks-")[0]
+    for old in [*path.parent.glob(f"{stem}.blocks-*"), *path.parent.glob(f"{stem}.blocks8-*")]:
+        if not old.name.startswith(path.name):  # older packings and their locks (blocks8: with the int8 copy kept)
             old.unlink(missing_ok=True)
     return True
 
@@ -273,7 +260,7 @@ def _read(path: Path) -> tuple[str, dict[str, Packed]] | None:
             arch, linears = meta["arch"], json.loads(meta["linears"])
             keys = set(f.keys())
             out = {name: Packed(gt, fmt, rows, cols, *(f.get_tensor(f"{name}/{p}") if f"{name}/{p}" in keys else None
-                                                       for p in PARTS + COPY))
+                                                       for p in PARTS))
                    for name, (gt, fmt, rows, cols) in linears.items()}
         if arch not in ARCHS or not out:
             raise ValueError("no linears")

@@ -238,8 +238,7 @@ def drop_one_file(name: str) -> bool:
 
 
 def kept_bytes(model: EmbeddedModel) -> dict[str, int]:
-    """What `$RAGSPEC_HOME/models` holds for an embedded GGUF model, in bytes by kind: the packed blocks (with the
-    int8 prompt copy where the machine uses it), its config and tokenizer, the float folder (float dtypes only)
+    """What `$RAGSPEC_HOME/models` holds for an embedded GGUF model, in bytes by kind: the packed blocks, its config and tokenizer, the float folder (float dtypes only)
     and the one-file copy (llama.cpp only). Kinds with nothing kept are left out."""
     root = ragspec_home() / "models"
     stem = f"{model.name}-{model.sha256[:12]}"

@@ -1,6 +1,7 @@
 """Build (once per CPU) and load ragspec's C++ CPU kernels: `torch.ops.ragspec_gguf.*` (the GGUF-block linears of
 `gguf_kernel.cpp`, the exact attention of `attention_kernel.cpp`, the prompt rows' attention of
-`prompt_attention.cpp`, the int8 prompt copy's one-pass steps of `int8_rows.cpp`).
+`prompt_attention.cpp`, the int8 prompt copy's one-pass steps of `int8_rows.cpp`, and the making of that copy
+from the packed blocks at load in `int8_copy.cpp`).
 
 The kernels are compiled with `-march=native` for the CPU they run on (VNNI where it has it, AVX2's
 `maddubs` where not, plain C elsewhere), so the build is keyed by the CPU's flags and the source's hash, kept
@@ -20,8 +21,9 @@ from pathlib import Path
 from ragspec.errors import RagspecError
 from ragspec.paths import ragspec_home
 
-SOURCES = [Path(__file__).with_name(name)
-           for name in ("gguf_kernel.cpp", "attention_kernel.cpp", "prompt_attention.cpp", "int8_rows.cpp")]
+STEP_SOURCES = [Path(__file__).with_name(name)  # what a forward runs: their digest names its measurements
+                for name in ("gguf_kernel.cpp", "attention_kernel.cpp", "prompt_attention.cpp", "int8_rows.cpp")]
+SOURCES = STEP_SOURCES + [Path(__file__).with_name("int8_copy.cpp")]  # and what a load runs: all are built
 HEADERS = [Path(__file__).with_name("kernel_math.h")]  # included by the sources: in the digest, not compiled alone
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fopenmp"]
 log = logging.getLogger(__name__)
@@ -29,16 +31,21 @@ log = logging.getLogger(__name__)
 
 @functools.lru_cache(maxsize=1)
 def source_digest() -> str:
-    """Names the kernels' sources and flags: measurements of an older build (t(n), the machine table) no longer
-    hold once it changes."""
-    text = b"".join(s.read_bytes() for s in SOURCES + HEADERS)
+    """Names the step kernels' sources and flags: measurements of an older build (t(n), the machine table) no
+    longer hold once it changes."""
+    return _digest(STEP_SOURCES + HEADERS)
+
+
+def _digest(files: list[Path]) -> str:
+    text = b"".join(s.read_bytes() for s in files)
     return hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:10]
 
 
 def build_key() -> str:
+    """Names a build: the CPU's flags and every source (the load-time ones too)."""
     from ragspec.cpu_flags import flags_hash
 
-    return f"gguf-{flags_hash()}-{source_digest()}"
+    return f"gguf-{flags_hash()}-{_digest(SOURCES + HEADERS)}"
 
 
 def amx_expected() -> bool:
@@ -57,7 +64,7 @@ def load_kernels():
     """`torch.ops.ragspec_gguf`, built here first if this CPU has no build of this source yet."""
     import torch
 
-    if hasattr(torch.ops, "ragspec_gguf") and hasattr(torch.ops.ragspec_gguf, "scale_int32"):
+    if hasattr(torch.ops, "ragspec_gguf") and hasattr(torch.ops.ragspec_gguf, "int8_copy"):
         return torch.ops.ragspec_gguf
     key = build_key()
     folder = ragspec_home() / "kernels" / key
