@@ -36,8 +36,8 @@ STAGES=("$@")
 
 stop_jobs() {  # the background calibrations asks start (and the measurement each runs): left running, one waits 15
   # minutes for a quiet machine, then measures anyway, beside the next stage (a Zen 4 bench of 2026-11-28 ran beside one)
-  pkill -f ragspec.models.calibration_job 2>/dev/null || true
-  pkill -f ragspec.models.machine 2>/dev/null || true
+  pkill -f ragspec.machine.job 2>/dev/null || true
+  pkill -f ragspec.machine.table 2>/dev/null || true
 }
 
 run() {  # run CMD… > FILE (DRY=1: print it)

@@ -1,7 +1,7 @@
 """Markers of user work in progress (a load, an ask, a server request, an index build), shared by every ragspec
 process on the machine through `$RAGSPEC_HOME/activity/`.
 
-Why: the background measurement of this machine (`models/calibration_job.py`) must never take the CPUs from the
+Why: the background measurement of this machine (`machine/job.py`) must never take the CPUs from the
 user. Each piece of user work holds a small file named after its process while it runs; the measuring job looks
 at the folder a few times a second and stops its measuring process at once while any live one is there. A
 marker of a process that died is ignored (and removed). Markers are best effort: an unwritable home marks

@@ -29,3 +29,9 @@ def loading():
         raise
     except RagspecError as exc:
         raise LoadError(str(exc)) from exc
+
+
+def check_cancel(cancel) -> None:
+    """Raise `Cancelled` if `cancel` (a threading.Event, or None) is set."""
+    if cancel is not None and cancel.is_set():
+        raise Cancelled("the generation was cancelled")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragspec.models.gguf_kernel import load_kernels
+from ragspec.runtime.gguf_kernel import load_kernels
 
 MIN = torch.finfo(torch.float32).min
 

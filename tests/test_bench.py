@@ -164,7 +164,7 @@ def test_bench_llama_row_has_its_own_prefill_and_decode(tmp_path):
     """`--methods llama,vanilla,suffix`: plain llama.cpp's row is timed from llama.cpp's own first token (not
     ragspec's prefill), checked loosely against llama.cpp's own counters on the same prompt taken here; vanilla
     is the reference, not an identity; every method carries its prefill and decode ratios to llama's."""
-    from ragspec.decoding.backends.llama_cpp import available
+    from ragspec.runtime.llama_cpp_model import available
 
     if available():
         pytest.skip(available())

@@ -1,6 +1,6 @@
 """The background measurement of this machine never competes with the user: markers of user work shared by
 every ragspec process (ragspec/activity.py), a measuring child stopped within a second while one is held and
-continued once the machine is quiet (models/machine_measure.py), and candidates a rule leaves unmeasured."""
+continued once the machine is quiet (machine/measure.py), and candidates a rule leaves unmeasured."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from ragspec import activity
-from ragspec.models import machine
-from ragspec.models.machine_measure import run_child
+from ragspec.machine import table as machine
+from ragspec.machine.measure import run_child
 
 SMOL = "smollm2-135m-instruct"
 HOLD = "import sys, time; from ragspec import activity\nwith activity.busy(sys.argv[1]):\n    print('held', flush=True); time.sleep(float(sys.argv[2]))"

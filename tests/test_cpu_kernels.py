@@ -25,8 +25,8 @@ from ragspec.decoding.drafters.pld import PromptLookupDrafter
 from ragspec.decoding.drafters.suffix import SuffixDrafter
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.errors import RagspecError
-from ragspec.models.cpu_linear import PackedLinear, bf16_packing_available
-from ragspec.models.int8_linear import EXACT_SLICE, Int8Linear
+from ragspec.runtime.cpu_linear import PackedLinear, bf16_packing_available
+from ragspec.runtime.int8_linear import EXACT_SLICE, Int8Linear
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
 HAS_INT_MM = hasattr(torch, "_int_mm")
@@ -228,7 +228,7 @@ def test_int8_is_cpu_only_and_bad_names_are_one_line():
 
 
 def test_bad_int8_kernel_is_one_line(monkeypatch):
-    from ragspec.models.int8_linear import int8_kernel
+    from ragspec.runtime.int8_linear import int8_kernel
 
     monkeypatch.setenv("RAGSPEC_INT8_KERNEL", "fbgemm")
     with pytest.raises(RagspecError, match="RAGSPEC_INT8_KERNEL"):

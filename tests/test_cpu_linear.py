@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ragspec.models.cpu_linear import PackedLinear, pack_linears, packing_available
+from ragspec.runtime.cpu_linear import PackedLinear, pack_linears, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no oneDNN linear ops")
 

@@ -189,7 +189,7 @@ def test_attention_row_covers_the_cache(smol, cases):
 
 
 def test_tree_steps_read_grouped_heads_in_place(smol, cases):
-    """On CPU a loaded model runs `ragspec_sdpa` (models/tree_attention.py): a masked tree step reads the
+    """On CPU a loaded model runs `ragspec_sdpa` (runtime/tree_attention.py): a masked tree step reads the
     grouped key/value heads without copying them, and scores every row as transformers' own `sdpa` does."""
     from ragspec.decoding.backends.transformers import TransformersBackend
 

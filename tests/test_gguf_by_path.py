@@ -107,8 +107,8 @@ def test_a_tiny_gguf_loads_as_transformers_reads_it(tiny):
     track its de-quantized float model (the kernels quantize activations: rounding only)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ragspec.models.gguf_linear import GGUFLinear
     from ragspec.models.gguf_model import GGUFEmbedding
+    from ragspec.runtime.gguf_linear import GGUFLinear
 
     arch, path, model, tok = tiny
     assert model.config.model_type == arch and isinstance(model.model.embed_tokens, GGUFEmbedding)

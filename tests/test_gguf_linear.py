@@ -1,4 +1,4 @@
-"""dtype gguf (`models/gguf_linear.py`, `models/gguf_kernel.cpp`): the shipped GGUF's blocks run as integers.
+"""dtype gguf (`runtime/gguf_linear.py`, `runtime/gguf_kernel.cpp`): the shipped GGUF's blocks run as integers.
 
 What is checked: the block mapping reproduces `gguf`'s own de-quantization exactly (Q4_0/Q4_1/Q5_0/Q8_0, and Q4_K
 and Q6_K with their sub-scales as stored); the kernel computes the de-quantized weight
@@ -18,9 +18,9 @@ from ragspec.decoding.budget import AdaptiveBudget, CostModel
 from ragspec.decoding.drafters import make_drafter
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.errors import RagspecError
-from ragspec.models.gguf_formats import GROUP, decode_blocks, pack, requantize_s8, unpack
-from ragspec.models.gguf_linear import PROMPT_ROWS, GGUFLinear
 from ragspec.models.registry import installed, lookup
+from ragspec.runtime.gguf_formats import GROUP, decode_blocks, pack, requantize_s8, unpack
+from ragspec.runtime.gguf_linear import PROMPT_ROWS, GGUFLinear
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
 SMOL = "smollm2-135m-instruct"
@@ -82,7 +82,7 @@ def test_pack_round_trips(fmt):
 def test_int8_copy_is_made_with_the_torch_reference_bits(fmt):
     """`int8_copy.cpp` (the prompt copy made at load) gives `gguf_formats.int8_copy`'s int8 values and scales
     exactly, on 203 outputs (not a multiple of the kernel's 8) and with an all-zero row."""
-    from ragspec.models.gguf_formats import FORMATS, int8_copy
+    from ragspec.runtime.gguf_formats import FORMATS, int8_copy
 
     cols = 768 if fmt in SUPER else 640
     lin = random_linear(fmt, 203, cols, seed=3)
@@ -130,7 +130,7 @@ def test_amx_tiles_give_the_same_bits():
     """Where the CPU has AMX, tiles of 16 rows take each group's integer sums from the tile unit and then run the
     512-bit pass's float operations in its order: the same bits as the VNNI/AVX path, for every format, across
     full and partial tiles, an odd last block, and inside the fused MLP."""
-    from ragspec.models.gguf_kernel import load_kernels
+    from ragspec.runtime.gguf_kernel import load_kernels
 
     ops = load_kernels()
     if not ops.amx(-1):
@@ -164,7 +164,7 @@ def test_paired_integer_sums_give_the_same_bits():
     """On AVX2 without VNNI the kernel adds two (6-bit weights) or four (at most 5 bits) chunks' u8 x s8 products
     in int16 before widening to int32: exact while a lane's sum stays under 2^15, so the same bits as one chunk per
     widening, shown at the worst case too (every weight at its top value, every activation at +-127)."""
-    from ragspec.models.gguf_kernel import load_kernels
+    from ragspec.runtime.gguf_kernel import load_kernels
 
     ops = load_kernels()
     if not ops.paired(-1):
@@ -189,7 +189,7 @@ def test_paired_integer_sums_give_the_same_bits():
 def test_blocks_unpacked_once_give_the_same_bits():
     """Without AVX-512 the kernel unpacks u5 and u6 blocks once per call for every tile of rows (from two tiles):
     the same bytes as unpacked tile by tile, so the same bits, whole and in its fused MLP."""
-    from ragspec.models.gguf_kernel import load_kernels
+    from ragspec.runtime.gguf_kernel import load_kernels
 
     ops = load_kernels()
     if not ops.unpacked(-1):
@@ -297,7 +297,7 @@ def test_every_linear_runs_the_gguf_blocks(smol_gguf):
 def test_fused_mlp_and_norm(smol_gguf):
     """Every MLP and RMSNorm runs as one kernel call; each equals the modules' own formula within float (and
     int8 re-quantization) rounding, and a row is the same bits alone or in any batch."""
-    from ragspec.models.fused_layers import FusedMLP, FusedRMSNorm
+    from ragspec.runtime.fused_layers import FusedMLP, FusedRMSNorm
 
     model, _ = smol_gguf
     layers = model.config.num_hidden_layers
@@ -321,7 +321,7 @@ def test_fused_mlp_and_norm(smol_gguf):
 def test_fused_mlp_equals_its_parts(gate_fmt, inter):
     """The MLP kernel computes gate and up 32 outputs at a time and quantizes their product for down while it is
     in cache: bit for bit what gate, up, silu·mul and down give as separate calls, across its 64-row chunks."""
-    from ragspec.models.gguf_kernel import load_kernels
+    from ragspec.runtime.gguf_kernel import load_kernels
 
     ops = load_kernels()
     gate = random_linear(gate_fmt, inter, 256, seed=1)
@@ -417,7 +417,7 @@ def test_gguf_is_cpu_only_and_named_in_the_cost_key(smol_gguf):
     from ragspec.settings import GeneratorSettings
 
     model, _ = smol_gguf
-    from ragspec.models.gguf_kernel import source_digest
+    from ragspec.runtime.gguf_kernel import source_digest
 
     assert TransformersBackend.cost_key(model).endswith(f"-gguf-{source_digest()}-step")  # another build costs otherwise
     assert GeneratorSettings(dtype="gguf").dtype == "gguf"
@@ -445,10 +445,10 @@ def test_q8k_rule_is_on_where_amx_runs_and_kept_where_the_fused_mlp_can_run_it(m
     """Q4_K linears (only) take the Q8_K activation rule where the kernels drive AMX tiles, or as
     RAGSPEC_GGUF_Q8K=0/1 says; the fused MLP quantizes x once for gate and up, so it keeps the rule only where both
     take it, and its down (input quantized a group at a time) on the group rule."""
-    from ragspec.models.fused_layers import FusedMLP
-    from ragspec.models.gguf_formats import FORMATS, SUPERBLOCK
-    from ragspec.models.gguf_kernel import amx_expected
-    from ragspec.models.gguf_linear import superblock_activations
+    from ragspec.runtime.fused_layers import FusedMLP
+    from ragspec.runtime.gguf_formats import FORMATS, SUPERBLOCK
+    from ragspec.runtime.gguf_kernel import amx_expected
+    from ragspec.runtime.gguf_linear import superblock_activations
 
     monkeypatch.delenv("RAGSPEC_GGUF_Q8K", raising=False)
     assert random_linear("u4k", 16, 256, rule=None).code == (SUPERBLOCK if amx_expected() else FORMATS["u4k"])
@@ -472,7 +472,7 @@ def test_q8k_rule_is_on_where_amx_runs_and_kept_where_the_fused_mlp_can_run_it(m
     assert (both.gate_proj.code, both.up_proj.code, both.down_proj.code) == (SUPERBLOCK, SUPERBLOCK, FORMATS["u4k"])
     mixed = mlp("u4k", "u5", "u6")
     assert (mixed.gate_proj.code, mixed.up_proj.code) == (FORMATS["u4k"], FORMATS["u5"])
-    from ragspec.models.gguf_linear import kernels_key
+    from ragspec.runtime.gguf_linear import kernels_key
 
     assert kernels_key(both).endswith("-q8k") and not kernels_key(mixed).endswith("-q8k")  # t(n) measured apart
     x = torch.randn(5, 256)
@@ -487,8 +487,8 @@ def test_packing_is_kept_read_back_exactly_and_packed_again_when_damaged(tmp_pat
     import os
     import shutil
 
-    from ragspec.models import gguf_blocks
     from ragspec.models.generator import generator_gguf
+    from ragspec.runtime import gguf_blocks
 
     src = tmp_path / "smol.gguf"
     shutil.copy(generator_gguf(SMOL), src)  # the file as installed; RAGSPEC_HOME moved below
@@ -522,7 +522,7 @@ def test_the_tensor_table_is_read_as_gguf_reads_it():
     from gguf import GGUFReader
 
     from ragspec.models.generator import generator_gguf
-    from ragspec.models.gguf_blocks import read_tensors
+    from ragspec.runtime.gguf_blocks import read_tensors
 
     path = generator_gguf(SMOL)
     arch, ours = read_tensors(path)

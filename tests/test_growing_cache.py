@@ -1,4 +1,4 @@
-"""The growing KV cache layer (decoding/backends/growing_cache.py) holds what transformers' DynamicLayer holds
+"""The growing KV cache layer (runtime/growing_cache.py) holds what transformers' DynamicLayer holds
 after any sequence of what the backends do to a layer: appends, trims, in-place row moves, reordered copies,
 clones, shallow and deep copies."""
 
@@ -9,7 +9,7 @@ import copy
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from ragspec.decoding.backends.growing_cache import GrowingLayer
+from ragspec.runtime.growing_cache import GrowingLayer
 
 
 def rows(n, seed):

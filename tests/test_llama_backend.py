@@ -11,8 +11,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from ragspec.decoding.backends.llama_cpp import available, fitting_nodes, tree_rows
+from ragspec.decoding.backends.llama_cpp import fitting_nodes, tree_rows
 from ragspec.decoding.tree import DraftTree
+from ragspec.runtime.llama_cpp_model import available
 
 WHY = available()
 needs_llama = pytest.mark.skipif(WHY is not None, reason=WHY or "")
@@ -185,7 +186,8 @@ def test_tree_rows_equal_each_branch_decoded_alone(llama, cases):
 
 @needs_llama
 def test_kv_state_after_50_steps_equals_a_plain_decode(llama, cases):
-    from ragspec.decoding.backends.llama_cpp import MAX_SEQS, LlamaCppBackend
+    from ragspec.decoding.backends.llama_cpp import LlamaCppBackend
+    from ragspec.runtime.llama_cpp_model import MAX_SEQS
 
     model, tok = llama
     prompt = chat(tok, "Write a long story about the river, at least ten sentences.")

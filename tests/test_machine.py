@@ -1,4 +1,4 @@
-"""Backend and dtype chosen per machine (models/machine.py): the choice by shape from a table (pure), the
+"""Backend and dtype chosen per machine (machine/table.py): the choice by shape from a table (pure), the
 settings that skip measuring, the real calibration of SmolLM2 (each candidate in a child process) cached and
 read back without measuring, a failing or unavailable candidate recorded with why, `ragspec models
 --calibrate`, and a pipeline with `generator.backend: auto` answering."""
@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from ragspec.cli import app
 from ragspec.errors import RagspecError
-from ragspec.models import machine
-from ragspec.models.machine import Candidate, choose, decode_ms_per_token, prefill_s, resolve, table_key
+from ragspec.machine import table as machine
+from ragspec.machine.table import Candidate, choose, decode_ms_per_token, prefill_s, resolve, table_key
 from ragspec.settings import GeneratorSettings
 
 SMOL = "smollm2-135m-instruct"
@@ -113,18 +113,18 @@ def test_guess_follows_the_flags():
 def test_calibrate_off_takes_the_guess_and_measures_nothing(tmp_path, monkeypatch):
     """RAGSPEC_CALIBRATE=off: no table here, so the flag-based guess is taken, nothing is measured, no job is
     started and no table is written; a value it does not know is one error naming the three it does."""
-    from ragspec.models import calibration_job
+    from ragspec.machine import launch
 
     pool = pool_here()
     if len(pool) < 2:
         pytest.skip("one candidate here: nothing to guess between")
     monkeypatch.setenv("RAGSPEC_CALIBRATE", "off")
-    started = set(calibration_job._started)
+    started = set(launch._started)
     lines = []
     c = resolve(GeneratorSettings(model=SMOL), "cpu", 1000, 32, "suffix", progress=lines.append, cache_dir=tmp_path)
     guessed = machine.guess(pool, machine.cpu_info())
     assert c.guessed and c[:2] == (guessed.backend, guessed.dtype) and "RAGSPEC_CALIBRATE=off" in c.reason
-    assert calibration_job._started == started and not lines and not any(tmp_path.rglob("*.json"))
+    assert launch._started == started and not lines and not any(tmp_path.rglob("*.json"))
     monkeypatch.setenv("RAGSPEC_CALIBRATE", "later")
     with pytest.raises(RagspecError, match="'later' is not one of background, foreground, off"):
         resolve(GeneratorSettings(model=SMOL), "cpu", 1000, 32, "suffix", cache_dir=tmp_path)
@@ -175,7 +175,7 @@ def table(home):
 
 
 def test_calibration_measures_each_candidate_once_then_reads_the_cache(home, table):
-    from ragspec.decoding.backends.llama_cpp import available
+    from ragspec.runtime.llama_cpp_model import available
 
     tab, lines, _ = table
     path = machine.table_path(SMOL)
@@ -303,7 +303,7 @@ def test_a_new_machine_answers_on_a_guess_and_switches_once_measured(tmp_path, m
     asks. (The job is marked started for this process so that no real calibration runs beside the tests; the
     job itself is tested below.)"""
     from ragspec.index.builder import build_index
-    from ragspec.models import calibration_job
+    from ragspec.machine import launch
     from ragspec.pipeline import Pipeline, pipeline
     from ragspec.retrieve.retriever import Retriever
     from ragspec.settings import IndexSettings, RetrieverSettings
@@ -324,7 +324,7 @@ def test_a_new_machine_answers_on_a_guess_and_switches_once_measured(tmp_path, m
     kernels.mkdir(parents=True, exist_ok=True)  # a gguf guess loads the kernels built in the usual home
     (tmp_path / "home" / "kernels").symlink_to(kernels)
     path = machine.table_path(SMOL)
-    calibration_job._started.add(str(path))
+    launch._started.add(str(path))
     corpus = write_corpus(tmp_path / "corpus")
     build_index(corpus, tmp_path / "ix", IndexSettings(chunk_tokens=48, overlap=8), embedder=embedder,
                 show_progress=False)
@@ -354,14 +354,15 @@ def test_a_new_machine_answers_on_a_guess_and_switches_once_measured(tmp_path, m
 def test_the_background_job_waits_for_quiet_then_writes_the_table(tmp_path):
     """The detached job, started for a model none of whose candidates can run (each fails or is skipped in
     seconds), writes its table and log; a second start in the same process is a no-op."""
-    from ragspec.models import calibration_job
+    from ragspec.machine import job as calibration_job
+    from ragspec.machine import launch
 
     share = calibration_job.busy_share(0.2)
     assert share is None or 0.0 <= share <= 1.0
     bogus = str(tmp_path / "no-model-here")
     path = machine.table_path(bogus, tmp_path)
-    log = calibration_job.start(bogus, path, tmp_path, wait_s=0)
-    assert log is not None and calibration_job.start(bogus, path, tmp_path, wait_s=0) is None
+    log = launch.start(bogus, path, tmp_path, wait_s=0)
+    assert log is not None and launch.start(bogus, path, tmp_path, wait_s=0) is None
     deadline = time.time() + 240
     while not path.exists() and time.time() < deadline:
         time.sleep(0.5)
@@ -375,7 +376,8 @@ def test_a_contended_table_is_measured_again_three_tries_at_most(tmp_path, monke
     """A table measured beside another job is used and measured again in the background; a job that finds the
     machine still busy leaves it and counts a try; after TRIES no pipeline starts another job for it, and a job
     whose table another process measured quietly meanwhile reads that one instead of measuring."""
-    from ragspec.models import calibration_job
+    from ragspec.machine import job as calibration_job
+    from ragspec.machine import launch
 
     pool = pool_here("auto")
     if len(pool) < 2:
@@ -387,7 +389,7 @@ def test_a_contended_table_is_measured_again_three_tries_at_most(tmp_path, monke
     path.write_text(json.dumps({"sizes": [1, 2, 4, 8, 16], "contended": ["transformers/float32"], "tries": 1,
                                "candidates": rows}))
     started = []
-    monkeypatch.setattr(calibration_job, "start", lambda *a, **k: started.append(k) or tmp_path / "job.log")
+    monkeypatch.setattr(launch, "start", lambda *a, **k: started.append(k) or tmp_path / "job.log")
     settings = GeneratorSettings(model=SMOL, backend="auto")
     lines = []
     choice = resolve(settings, "cpu", 400, 32, "suffix", progress=lines.append, cache_dir=tmp_path)

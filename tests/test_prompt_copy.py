@@ -15,11 +15,11 @@ from ragspec.decoding.backends.transformers import generate_kwargs
 from ragspec.decoding.budget import AdaptiveBudget, CostModel
 from ragspec.decoding.drafters import make_drafter
 from ragspec.decoding.generate import SpeculativeGenerator
-from ragspec.decoding.prompt_mode import prompt_copy, prompt_forward, reads_by_role
 from ragspec.errors import RagspecError
-from ragspec.models import gguf_linear
-from ragspec.models.fused_layers import FusedMLP
-from ragspec.models.gguf_linear import GGUFLinear
+from ragspec.runtime import gguf_linear
+from ragspec.runtime.fused_layers import FusedMLP
+from ragspec.runtime.gguf_linear import GGUFLinear
+from ragspec.runtime.prompt_mode import prompt_copy, prompt_forward, reads_by_role
 
 SMOL = "smollm2-135m-instruct"
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
@@ -83,10 +83,10 @@ def test_the_copy_is_made_from_the_packed_blocks_at_load(copied):
     reference (`gguf_formats.int8_copy`), so the same outputs as a copy made from the de-quantized weight."""
     from safetensors import safe_open
 
-    from ragspec.models.gguf_blocks import blocks_path
-    from ragspec.models.gguf_formats import int8_copy
     from ragspec.models.gguf_source import gguf_source
-    from ragspec.models.int8_linear import Int8Linear
+    from ragspec.runtime.gguf_blocks import blocks_path
+    from ragspec.runtime.gguf_formats import int8_copy
+    from ragspec.runtime.int8_linear import Int8Linear
 
     model, _ = copied
     cfg = model.config
@@ -193,8 +193,8 @@ def test_the_setting_is_checked_and_wins_over_a_models_own():
     from unittest import mock
 
     from ragspec.models.generator import prompt_copy_key
-    from ragspec.models.int8_linear import int8_kernel
     from ragspec.models.registry import lookup
+    from ragspec.runtime.int8_linear import int8_kernel
 
     with mock.patch.dict(os.environ, {"RAGSPEC_GGUF_PROMPT": "fp4"}), pytest.raises(RagspecError, match="int8"):
         gguf_linear.prompt_copy_kind()

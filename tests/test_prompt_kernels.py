@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragspec.models.int8_linear import Int8Linear, quantize_rows
+from ragspec.runtime.int8_linear import Int8Linear, quantize_rows
 
 MIN = torch.finfo(torch.float32).min
 
 
 @pytest.fixture(scope="module")
 def ops():
-    from ragspec.models.gguf_kernel import load_kernels
+    from ragspec.runtime.gguf_kernel import load_kernels
 
     return load_kernels()
 

@@ -5,8 +5,8 @@ memory bound holds, and what a lookup hands out can grow without touching what i
 import torch
 from transformers import DynamicCache
 
-from ragspec.decoding.backends.growing_cache import growing
 from ragspec.decoding.prefix_cache import PromptTree
+from ragspec.runtime.growing_cache import growing
 
 LAYERS, HEADS, DIM = 3, 2, 8
 

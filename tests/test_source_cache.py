@@ -231,7 +231,7 @@ def test_prefill_falls_back_with_a_reason_for_pld_plus(smol):
 
 @pytest.fixture(scope="module")
 def llama_smol():
-    from ragspec.decoding.backends.llama_cpp import available
+    from ragspec.runtime.llama_cpp_model import available
 
     why = available()
     if why:

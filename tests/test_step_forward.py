@@ -1,4 +1,4 @@
-"""The lean step loop of dtype gguf (`models/step_forward.py`) gives the module tree's bits, and steps aside.
+"""The lean step loop of dtype gguf (`runtime/step_forward.py`) gives the module tree's bits, and steps aside.
 
 Greedy identity with it on is checked per drafter by tests/test_gguf_linear.py (the speculative steps run here,
 the `generate` reference, with its 2-D mask, on the module tree); this file compares the two forwards directly.
@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from ragspec.decoding.backends.growing_cache import growing
 from ragspec.decoding.backends.transformers import cache_arg
-from ragspec.decoding.prompt_mode import prompt_forward
 from ragspec.models.registry import installed
-from ragspec.models.step_forward import step_forward
+from ragspec.runtime.growing_cache import growing
+from ragspec.runtime.prompt_mode import prompt_forward
+from ragspec.runtime.step_forward import step_forward
 
 SMOL = "smollm2-135m-instruct"
 QWEN = "qwen2.5-coder-0.5b-instruct"  # Qwen2: biased q, k and v, the default generator
@@ -105,7 +105,7 @@ def test_model_calls_take_it_and_the_rest_go_to_the_modules(gguf):
 def test_switched_off_and_other_models_keep_the_modules(monkeypatch):
     from ragspec.decoding.backends.transformers import TransformersBackend
     from ragspec.models.generator import load_generator
-    from ragspec.models.gguf_kernel import source_digest
+    from ragspec.runtime.gguf_kernel import source_digest
 
     monkeypatch.setenv("RAGSPEC_STEP_FORWARD", "0")
     model, _ = load_generator(SMOL, dtype="gguf")

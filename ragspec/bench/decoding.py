@@ -27,9 +27,9 @@ from ragspec.decoding.budget import AdaptiveBudget
 from ragspec.decoding.drafters import METHODS, make_drafter
 from ragspec.decoding.drafters.base import DraftState
 from ragspec.decoding.generate import SpeculativeGenerator
-from ragspec.decoding.prompt_mode import prompt_copy
 from ragspec.errors import RagspecError
-from ragspec.models.machine import machine_info
+from ragspec.machine.table import machine_info
+from ragspec.runtime.prompt_mode import prompt_copy
 
 HF_METHODS = ("vanilla", "hf-pld")
 LLAMA_METHODS = ("vanilla", "llama-pld")
@@ -67,7 +67,7 @@ def llama_build(model) -> dict:
     the repacked weight buffers were on, and its threads (the same as ragspec's in a bench)."""
     import llama_cpp
 
-    from ragspec.decoding.backends.llama_cpp import model_params
+    from ragspec.runtime.llama_cpp_model import model_params
 
     lc = llama_cpp.llama_cpp
     return {"version": llama_cpp.__version__, "system_info": lc.llama_print_system_info().decode().strip(),
@@ -217,7 +217,7 @@ def llama_generate(model, prompt: list[int], max_new: int, eos: list[int], looku
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        from ragspec.decoding.backends.llama_cpp import model_params
+        from ragspec.runtime.llama_cpp_model import model_params
 
         # logits_all: with a draft model llama-cpp-python 0.3.36 keeps every row's logits but sizes its buffer by
         # this flag (n_batch rows otherwise: a prompt over one batch overflows it)

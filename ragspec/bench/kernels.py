@@ -29,8 +29,8 @@ def _median_s(f, reps: int) -> float:
 
 def gemm_rates(m: int = 1024, k: int = 896, n: int = 4864, reps: int = 3) -> dict[str, float | None]:
     """G(FL)OP/s of an [m, k] × [k, n] product (Qwen2.5-0.5B's gate/up projection over 1024 tokens)."""
-    from ragspec.models.cpu_linear import PackedLinear, bf16_packing_available, packing_available
-    from ragspec.models.int8_linear import Int8Linear
+    from ragspec.runtime.cpu_linear import PackedLinear, bf16_packing_available, packing_available
+    from ragspec.runtime.int8_linear import Int8Linear
 
     torch.manual_seed(0)
     x, lin = torch.randn(m, k), torch.nn.Linear(k, n, bias=False)

@@ -21,7 +21,7 @@ with AMX only when `ONEDNN_MAX_CPU_ISA=AVX512_CORE_AMX` is set before the run (r
 (`RAGSPEC_GGUF_PROMPT=int8`), prefills only (steps never read the copy), and prints the copy's size.
 `--prompt-kernels N` switches prompt rows between the step kernels and the prompt kernels (`prompt_attention.cpp`;
 with the int8 copy, `int8_rows.cpp` too). `--step-forward N` runs dtype gguf's steps (1, 4 and 16 rows over 1,024 tokens) on the module tree and on the lean
-step loop (`models/step_forward.py`) in turn, N of each, and says whether the logits were the same bits.
+step loop (`runtime/step_forward.py`) in turn, N of each, and says whether the logits were the same bits.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ LAYER_05B_ODD = LAYER_05B[:-1] + [(896, 4864, 4)]
 
 
 def candidates(model: str, rounds: int) -> None:
-    from ragspec.models.machine_measure import measure_candidate
+    from ragspec.machine.measure import measure_candidate
 
     for r in range(rounds):
         for backend, dtype in (("llama.cpp", "auto"), ("transformers", "gguf")):
@@ -53,9 +53,9 @@ def interleaved(model: str, steps: int, sizes=(1, 16), context: int = 1024, paus
     import torch
     from transformers import DynamicCache
 
-    from ragspec.decoding.backends.growing_cache import growing
     from ragspec.decoding.backends.transformers import cache_arg
     from ragspec.models.generator import load_generator, load_llama_generator
+    from ragspec.runtime.growing_cache import growing
 
     llama, _ = load_llama_generator(model)
     hf, _ = load_generator(model, "cpu", "gguf")
@@ -97,7 +97,7 @@ def op_pairs(model: str, rounds: int, op: str, on: int, names: tuple[str, str], 
     """dtype gguf with one of the kernel's runtime switches (`torch.ops.ragspec_gguf.<op>(mode)`: 0, then `on`),
     alternated: the same build, the same bits; left at `on` after. `missing`: said where the switch is off here."""
     from ragspec.models.generator import load_generator
-    from ragspec.models.gguf_kernel import load_kernels
+    from ragspec.runtime.gguf_kernel import load_kernels
 
     switch = getattr(load_kernels(), op)
     if not switch(-1):
@@ -134,8 +134,8 @@ def q8k_pairs(model: str, rounds: int) -> None:
     from unittest import mock
 
     from ragspec.models.generator import load_generator
-    from ragspec.models.gguf_formats import FORMATS, SUPERBLOCK
-    from ragspec.models.gguf_linear import GGUFLinear
+    from ragspec.runtime.gguf_formats import FORMATS, SUPERBLOCK
+    from ragspec.runtime.gguf_linear import GGUFLinear
 
     with mock.patch.dict(os.environ, {"RAGSPEC_GGUF_Q8K": "1"}):
         hf, _ = load_generator(model, "cpu", "gguf")
@@ -156,9 +156,9 @@ def prompt_copy_pairs(model: str, rounds: int) -> None:
     import os
     from unittest import mock
 
-    from ragspec.models.fused_layers import FusedMLP
     from ragspec.models.generator import load_generator
-    from ragspec.models.gguf_linear import GGUFLinear
+    from ragspec.runtime.fused_layers import FusedMLP
+    from ragspec.runtime.gguf_linear import GGUFLinear
 
     with mock.patch.dict(os.environ, {"RAGSPEC_GGUF_PROMPT": "1"}):
         hf, _ = load_generator(model, "cpu", "gguf")
@@ -185,10 +185,10 @@ def int8_prompt_pairs(model: str, rounds: int) -> None:
     import os
     from unittest import mock
 
-    from ragspec.decoding.prompt_mode import prompt_forward
-    from ragspec.models.fused_layers import FusedMLP
     from ragspec.models.generator import load_generator
-    from ragspec.models.gguf_linear import GGUFLinear
+    from ragspec.runtime.fused_layers import FusedMLP
+    from ragspec.runtime.gguf_linear import GGUFLinear
+    from ragspec.runtime.prompt_mode import prompt_forward
 
     with mock.patch.dict(os.environ, {"RAGSPEC_GGUF_PROMPT": "int8"}):
         hf, _ = load_generator(model, "cpu", "gguf")
@@ -219,10 +219,10 @@ def prompt_kernel_pairs(model: str, rounds: int) -> None:
     import os
     from unittest import mock
 
-    from ragspec.decoding.prompt_mode import prompt_forward
-    from ragspec.models.exact_attention import model_configs
     from ragspec.models.generator import load_generator
-    from ragspec.models.gguf_linear import GGUFLinear
+    from ragspec.runtime.exact_attention import model_configs
+    from ragspec.runtime.gguf_linear import GGUFLinear
+    from ragspec.runtime.prompt_mode import prompt_forward
 
     with mock.patch.dict(os.environ, {"RAGSPEC_GGUF_PROMPT": "int8"}):
         hf, _ = load_generator(model, "cpu", "gguf")
@@ -270,8 +270,8 @@ def switched_pairs(hf, rounds: int, switch, names, prompts=(353, 1024), sizes=(1
     from transformers import DynamicCache
 
     from ragspec.decoding.backends.base import chunks
-    from ragspec.decoding.backends.growing_cache import growing
     from ragspec.decoding.backends.transformers import cache_arg
+    from ragspec.runtime.growing_cache import growing
 
     rng = np.random.default_rng(0)
 
@@ -321,7 +321,7 @@ def switched_pairs(hf, rounds: int, switch, names, prompts=(353, 1024), sizes=(1
 def kernel(rows: list[int], head: bool, reps: int = 5) -> None:
     import torch
 
-    from ragspec.models.gguf_kernel import load_kernels
+    from ragspec.runtime.gguf_kernel import load_kernels
 
     ops = load_kernels()
     g = torch.Generator().manual_seed(0)

@@ -253,7 +253,7 @@ def _bench_dtype(model: str, device: str = "cpu") -> str:
     """What `generator.dtype: auto` runs for this model here (the machine's calibration, measured once) for a
     bench-shaped ask: a 1,024-token prompt and a 128-token answer drafted by suffix. On CUDA: bfloat16."""
     from ragspec.console import console
-    from ragspec.models.machine import resolve
+    from ragspec.machine.table import resolve
     from ragspec.settings import GeneratorSettings
 
     if device == "cuda":

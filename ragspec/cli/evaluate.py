@@ -216,7 +216,7 @@ def eval_answers(
         quiet_libraries()
         from ragspec.console import progress
         from ragspec.eval.answers import FORMATS, pick_records, read_records, record_sources, score, summarize
-        from ragspec.models.machine import cpu_info
+        from ragspec.machine.table import cpu_info
         from ragspec.pipeline import Pipeline
         from ragspec.pipeline.prompt import STYLES
         from ragspec.spec import load_spec

@@ -60,7 +60,7 @@ def models(
                     cached += " [red](float folder damaged)[/]"
             out.print(f"{m.name:30} {m.kind:9} {installed}{cached}  [dim]{m.hub_id}; {m.note}[/]")
             if m.kind == "generator":
-                from ragspec.models.machine import table_status
+                from ragspec.machine.table import table_status
 
                 out.print(f"{'':30} [dim]this machine: {table_status(m.name)}[/]")
         out.print(f"[dim]online defaults (need a reachable hub): embedder {ONLINE_EMBEDDER}, "
@@ -77,7 +77,7 @@ def _print_calibration(out, model: str, force: bool) -> None:
     `generator.backend: auto` takes for a typical ask."""
     from rich.table import Table
 
-    from ragspec.models import machine
+    from ragspec.machine import table as machine
     from ragspec.models.registry import lookup
 
     if lookup(model) is None and not Path(model).expanduser().exists():

@@ -9,13 +9,13 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from ragspec.decoding.backends import make_backend
-from ragspec.decoding.backends.base import check_cancel
 from ragspec.decoding.budget import AdaptiveBudget, settle
 from ragspec.decoding.drafters.base import Drafter, DraftState, NoDraft, Segment
-from ragspec.decoding.prompt_mode import reads_by_role
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.stream import IncrementalDecoder
 from ragspec.decoding.tree import DraftTree
+from ragspec.errors import check_cancel
+from ragspec.runtime.prompt_mode import reads_by_role
 
 
 @dataclass

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 from pathlib import Path
 
 from ragspec.errors import RagspecError
 from ragspec.models.registry import hub_error, lookup, resolve_hub_or_folder
+from ragspec.runtime.options import runtime_options
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def tokenizer_source(name: str) -> str:
 
 def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
     """(model, tokenizer), the model in eval mode on `device`. On CPU its linears are packed for oneDNN
-    (float32; bfloat16 where oneDNN runs it) or, for dtype int8, quantised (`models/int8_linear.py`), or, for
+    (float32; bfloat16 where oneDNN runs it) or, for dtype int8, quantised (`runtime/int8_linear.py`), or, for
     dtype gguf, built from the GGUF alone with its linears in the GGUF's own blocks (`models/gguf_model.py`:
     no float copy on disk or in memory)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -75,7 +75,7 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
         except Exception as exc:
             raise hub_error(name, "generator", exc) from exc
     model.eval()
-    from ragspec.models.cpu_linear import pack_linears
+    from ragspec.runtime.cpu_linear import pack_linears
 
     if device == "cpu" and dtype == "bfloat16":
         from ragspec.cpu_flags import native_bf16
@@ -84,32 +84,32 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
             log.warning("generator dtype bfloat16: this CPU has no native bf16 (AVX512_BF16/AMX), so it runs "
                         "emulated, slower than float32")
     if dtype == "int8":
-        from ragspec.models.int8_linear import quantize_linears
+        from ragspec.runtime.int8_linear import quantize_linears
 
         quantize_linears(model)  # every linear but lm_head, which pack_linears packs in float32
     if dtype == "gguf":
-        from ragspec.models.fused_layers import fuse_layers
+        from ragspec.runtime.fused_layers import fuse_layers
 
         fuse_layers(model)  # MLPs and RMSNorms: one kernel call each
-        from ragspec.models.gguf_linear import kernels_key
+        from ragspec.runtime.gguf_linear import kernels_key
 
         model.ragspec_kernels = kernels_key(model)  # in the t(n) cost key, as the linears now run
     pack_linears(model)  # CPU only; a no-op elsewhere
     quantized = ("int8", "gguf", "bfloat16", "float16")
-    if device == "cpu" and dtype in quantized and os.environ.get("RAGSPEC_EXACT_ATTENTION") != "0":
-        from ragspec.models.exact_attention import use_exact_attention
+    if device == "cpu" and dtype in quantized and runtime_options().exact_attention:
+        from ragspec.runtime.exact_attention import use_exact_attention
 
         # rounding amplifies attention's batch-dependent ulps (see the module); gguf with its bf16 prompt copy
         # (opt-in) reads long prompt chunks with PyTorch's attention, as it reads them with that copy
         use_exact_attention(model, prompt_rows=_gguf_prompt_rows() if dtype == "gguf" else None,
                             native=dtype == "gguf")
         if dtype == "gguf":
-            from ragspec.models.step_forward import install
+            from ragspec.runtime.step_forward import install
 
             if install(model):  # draft steps in one loop over the layers' kernels: the same bits, less around them
                 model.ragspec_kernels += "-step"
     elif device == "cpu":
-        from ragspec.models.tree_attention import use_tree_attention
+        from ragspec.runtime.tree_attention import use_tree_attention
 
         use_tree_attention(model)  # tree steps read grouped key/value heads in place: see the module
     return model, tokenizer
@@ -120,9 +120,10 @@ def prepare_gguf(name: str) -> list:
     packed for the kernels (the int8 prompt copy is made from them at each load). The paths."""
     from transformers import AutoConfig
 
-    from ragspec.models.gguf_blocks import blocks_path, packed_blocks
     from ragspec.models.gguf_cache import ensure_meta
-    from ragspec.models.gguf_source import architecture, gguf_source
+    from ragspec.models.gguf_source import gguf_source
+    from ragspec.runtime.gguf_blocks import blocks_path, packed_blocks
+    from ragspec.runtime.gguf_file import architecture
 
     source = gguf_source(name)
     architecture(source)
@@ -141,7 +142,8 @@ def _load_gguf(name: str):
 
     from ragspec.models.gguf_cache import ensure_meta
     from ragspec.models.gguf_model import build
-    from ragspec.models.gguf_source import architecture, gguf_source
+    from ragspec.models.gguf_source import gguf_source
+    from ragspec.runtime.gguf_file import architecture
 
     source = gguf_source(name)
     architecture(source)  # one the kernels run, or one clear line before anything is read
@@ -166,7 +168,7 @@ def generator_gguf(name: str):
 def prompt_copy(name: str) -> str | None:
     """The weight copy dtype gguf reads `name`'s prompts with here: RAGSPEC_GGUF_PROMPT's, or unset, the model's
     measured setting (registry `prompt_copy`: the Qwen models' int8), where the CPU runs it."""
-    from ragspec.models.gguf_linear import prompt_copy_kind
+    from ragspec.runtime.gguf_linear import prompt_copy_kind
 
     embedded = lookup(name, "generator")
     return prompt_copy_kind(default=embedded.extra.get("prompt_copy") if embedded is not None else None)
@@ -175,12 +177,14 @@ def prompt_copy(name: str) -> str | None:
 def prompt_copy_key(name: str) -> str:
     """For calibration keys: RAGSPEC_GGUF_PROMPT as set, or unset, the model's own copy ("int8") or "0" (the keys
     of models without one stay as they were)."""
-    return os.environ.get("RAGSPEC_GGUF_PROMPT") or prompt_copy(name) or "0"
+    from ragspec.runtime.options import runtime_options
+
+    return runtime_options().prompt_copy or prompt_copy(name) or "0"
 
 
 def _gguf_prompt_rows() -> int | None:
     """Rows above which dtype gguf reads with PyTorch's attention: only with its bf16 prompt copy (opt-in)."""
-    from ragspec.models.gguf_linear import PROMPT_ROWS, prompt_copy_available
+    from ragspec.runtime.gguf_linear import PROMPT_ROWS, prompt_copy_available
 
     return PROMPT_ROWS if prompt_copy_available() else None
 
@@ -190,7 +194,7 @@ def load_llama_generator(name: str, n_ctx: int = 4096):
     llama.cpp opens one file), or a local .gguf file; the tokenizer read from the GGUF's metadata once."""
     from transformers import AutoTokenizer
 
-    from ragspec.decoding.backends.llama_cpp import LlamaCppModel
+    from ragspec.runtime.llama_cpp_model import LlamaCppModel
 
     embedded = lookup(name, "generator")
     if embedded is not None:

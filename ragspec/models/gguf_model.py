@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ragspec.errors import RagspecError
-from ragspec.models.gguf_source import GGUFSource
+from ragspec.runtime.gguf_file import GGUFSource
 
 # GGUF names of the tensors that are not linears → the module path of a Llama / Qwen2 model in transformers
 _LAYER_TENSORS = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -55,10 +55,10 @@ def build(source: GGUFSource, meta_folder, prompt_copy: bool | str | None) -> nn
     `gguf_linear.quantize_from_gguf` takes it), the rest read from the GGUF."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ragspec.models.cpu_linear import replace_module
-    from ragspec.models.gguf_blocks import read_tensors
-    from ragspec.models.gguf_formats import _unpermute_rows, hf_module_name
-    from ragspec.models.gguf_linear import quantize_from_gguf
+    from ragspec.runtime.cpu_linear import replace_module
+    from ragspec.runtime.gguf_blocks import read_tensors
+    from ragspec.runtime.gguf_formats import _unpermute_rows, hf_module_name
+    from ragspec.runtime.gguf_linear import quantize_from_gguf
 
     config = AutoConfig.from_pretrained(str(meta_folder))
     with torch.device("meta"):
@@ -112,7 +112,7 @@ def _set(model: nn.Module, target: str, value: torch.Tensor, source: GGUFSource)
 
 def _rotary_on_cpu(model: nn.Module) -> None:
     """Rotary modules made again on CPU: their frequencies are buffers computed from the config, not weights."""
-    from ragspec.models.cpu_linear import replace_module
+    from ragspec.runtime.cpu_linear import replace_module
 
     for name, module in list(model.named_modules()):
         if hasattr(module, "inv_freq") and module.inv_freq.is_meta:

@@ -141,14 +141,14 @@ class Pipeline(SourceCacheMixin):
             if self._model is not None and self.choice is not None and self.choice.guessed:
                 self._follow_measurement(progress)
             if self._model is None:
+                from ragspec.machine.table import resolve
                 from ragspec.models.generator import shared_generator
-                from ragspec.models.machine import resolve
 
                 g, method = self.spec.generator, self.spec.drafting.method
                 choosing = None if progress is None else (lambda line: progress(f"choosing a backend: {line}"))
                 self.choice = resolve(g, self.device, self.expected_prompt_tokens(), self.expected_answer_tokens(),
                                       method, progress=choosing, source_cache=self.source_cache_on())
-                from ragspec.models.machine import needs_transformers
+                from ragspec.machine.table import needs_transformers
 
                 if self.choice.backend == "llama.cpp" and needs_transformers(method):
                     raise RagspecError(f"drafting {method} needs hidden states, attention rows, every tree row's "
@@ -170,7 +170,7 @@ class Pipeline(SourceCacheMixin):
         """Between asks, a pipeline running on a flag-based guess looks (every `GUESS_RECHECK_S`) for this
         machine's measured table; where it prefers another backend or dtype, that one is loaded for the next
         ask and whatever was tied to the old model (its t(n), learned acceptance, cached KV) is dropped."""
-        from ragspec.models.machine import resolve
+        from ragspec.machine.table import resolve
 
         now = time.monotonic()
         if now - self._guess_checked < GUESS_RECHECK_S:
@@ -201,7 +201,7 @@ class Pipeline(SourceCacheMixin):
     def expected_answer_tokens(self) -> int:
         """The answer length a backend is chosen for: max_new_tokens is a cap, and measured answers run far
         shorter (`machine.EXPECTED_ANSWER_TOKENS`)."""
-        from ragspec.models.machine import EXPECTED_ANSWER_TOKENS
+        from ragspec.machine.table import EXPECTED_ANSWER_TOKENS
 
         return min(self.spec.generator.max_new_tokens, EXPECTED_ANSWER_TOKENS)
 
@@ -253,9 +253,9 @@ class Pipeline(SourceCacheMixin):
         measures with `window_scorer`; its measured band is the loaded generator's (and its prompt copy's)."""
         with self._load_lock:
             if self._gate is False:
-                from ragspec.decoding.prompt_mode import prompt_copy
                 from ragspec.models.registry import DEFAULT_EMBEDDER
                 from ragspec.retrieve.relevance import resolve_gate
+                from ragspec.runtime.prompt_mode import prompt_copy
 
                 scorer = self.window_scorer
                 name = (self.retriever.index.manifest["embedder"]["requested"] if self._index_arg is not None
@@ -318,7 +318,7 @@ class Pipeline(SourceCacheMixin):
         bf16 on a CPU); else None."""
         if self._prompts is None:
             from ragspec.decoding.prefix_cache import PromptTree
-            from ragspec.models.exact_attention import rows_independent
+            from ragspec.runtime.exact_attention import rows_independent
 
             mb = self.spec.generator.prompt_cache_mb
             self._prompts = PromptTree(mb) if mb > 0 and rows_independent(model) else False
@@ -553,7 +553,7 @@ class Pipeline(SourceCacheMixin):
 def given_choice(model):
     """What runs a model handed to the pipeline (nothing was chosen)."""
     from ragspec.decoding.backends import is_llama
-    from ragspec.models.machine import Choice
+    from ragspec.machine.table import Choice
 
     if is_llama(model):
         return Choice("llama.cpp", "gguf", "a loaded model was given")

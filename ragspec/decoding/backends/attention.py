@@ -1,7 +1,7 @@
 """Attention capture for PLD+ (a) on a transformers model: eager attention for a block, and forward hooks
 keeping the chosen heads' weights. The transformers backend drives it; `heads` calibrates which heads.
 
-A model on ragspec's exact attention (`models/exact_attention.py`: the CPU dtypes whose greedy identity depends
+A model on ragspec's exact attention (`runtime/exact_attention.py`: the CPU dtypes whose greedy identity depends
 on it) keeps it while capturing: switching to eager would verify drafts with other kernels than plain greedy
 decodes with. The captured layers' attention modules are marked, and the exact attention returns their weights
 beside its output (computed apart: they only rank draft candidates)."""
@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-WEIGHTS_FLAG = "ragspec_attention_weights"  # on an attention module: the exact attention returns its weights too
+from ragspec.runtime.exact_attention import WEIGHTS_FLAG
 
 
 @contextlib.contextmanager

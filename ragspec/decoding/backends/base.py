@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ragspec.decoding.tree import DraftTree
-from ragspec.errors import Cancelled
 
 # A prompt longer than one chunk is prefilled PREFILL_CHUNK tokens per forward: progress can be shown and a
 # cancel honoured between chunks, and a long prompt never holds the model in one uninterruptible call.
@@ -33,12 +32,6 @@ def chunks(start: int, end: int, size: int = PREFILL_CHUNK) -> list[tuple[int, i
         out.append((a, b))
         a = b
     return out
-
-
-def check_cancel(cancel) -> None:
-    """Raise `Cancelled` if `cancel` (a threading.Event, or None) is set."""
-    if cancel is not None and cancel.is_set():
-        raise Cancelled("the generation was cancelled")
 
 
 @dataclass

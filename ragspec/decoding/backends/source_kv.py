@@ -15,10 +15,11 @@ import json
 
 import torch
 
-from ragspec.decoding.backends.base import check_cancel, chunks
+from ragspec.decoding.backends.base import chunks
 from ragspec.decoding.backends.transformers import cache_arg, sliding_window
-from ragspec.decoding.prompt_mode import prompt_copy
 from ragspec.decoding.source_cache import SourcePlan, entry_key
+from ragspec.errors import check_cancel
+from ragspec.runtime.prompt_mode import prompt_copy
 
 
 def rotary(model):
@@ -142,7 +143,7 @@ def _forward(model, cache, ids: list[int], start: int, cancel=None, on_chunk=Non
 def _new_cache(model):
     from transformers import DynamicCache
 
-    from ragspec.decoding.backends.growing_cache import growing
+    from ragspec.runtime.growing_cache import growing
 
     return growing(DynamicCache(config=model.config))
 

@@ -15,9 +15,8 @@ from __future__ import annotations
 import ctypes
 import hashlib
 
-from ragspec.decoding.backends.base import check_cancel
 from ragspec.decoding.source_cache import SourcePlan, entry_key
-from ragspec.errors import RagspecError
+from ragspec.errors import RagspecError, check_cancel
 
 SCRATCH = 255  # the sequence a piece is computed or restored in before it joins sequence 0 (MAX_SEQS - 1)
 

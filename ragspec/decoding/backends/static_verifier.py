@@ -19,7 +19,6 @@ source KV cache and a prefix store are not used here (a GPU reads a prompt at ~3
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 import warnings
@@ -29,10 +28,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from ragspec.decoding.backends.base import check_cancel, chunks
+from ragspec.decoding.backends.base import chunks
 from ragspec.decoding.backends.transformers import TransformersBackend, cache_arg, sliding_window
 from ragspec.decoding.budget import measured_enough
 from ragspec.decoding.tree import DraftTree
+from ragspec.errors import check_cancel
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows a forward runs, padded up; one CUDA graph each
 ROOM = 1024  # slots a cache holds beyond the prompt before it doubles
@@ -40,7 +40,9 @@ ROOM = 1024  # slots a cache holds beyond the prompt before it doubles
 
 def wanted(model) -> bool:
     """Whether a model's generations run here (`RAGSPEC_STATIC_VERIFIER`, see the module)."""
-    choice = os.environ.get("RAGSPEC_STATIC_VERIFIER", "auto").lower()
+    from ragspec.runtime.options import runtime_options
+
+    choice = runtime_options().static_verifier
     if choice in ("0", "no", "off", "false") or sliding_window(model.config):
         return False
     if choice in ("1", "yes", "on", "true"):
@@ -141,7 +143,9 @@ class StaticBackend(TransformersBackend):
     @staticmethod
     def graphs_wanted() -> bool:
         """`RAGSPEC_CUDA_GRAPHS=0` runs the static steps eagerly on CUDA too (to measure what graphs save)."""
-        return os.environ.get("RAGSPEC_CUDA_GRAPHS", "1") != "0"
+        from ragspec.runtime.options import runtime_options
+
+        return runtime_options().cuda_graphs
 
     # -- prefill -------------------------------------------------------------------------------------------
     @torch.inference_mode()

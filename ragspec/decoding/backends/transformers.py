@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ragspec.decoding.backends.accept import accept_greedy, accept_sampled, new_generator, walk_greedy
-from ragspec.decoding.backends.base import PREFILL_CHUNK, StepResult, check_cancel, chunks
-from ragspec.decoding.backends.growing_cache import growing, stand_in_context
+from ragspec.decoding.backends.base import PREFILL_CHUNK, StepResult, chunks
 from ragspec.decoding.budget import measured_enough
-from ragspec.decoding.prompt_mode import prompt_forward, reads_by_role
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.tree import DraftTree
+from ragspec.errors import check_cancel
+from ragspec.runtime.growing_cache import growing, stand_in_context
+from ragspec.runtime.prompt_mode import prompt_forward, reads_by_role
 
 LONG_MS = 1000.0  # t(n) measurement: timed runs of one size that add up to this are enough
 WARM_ROWS = 16  # t(n) measurement over a stand-in context: the rows of the forward that warms up first

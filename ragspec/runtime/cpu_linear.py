@@ -18,8 +18,6 @@ native bf16 dot products, AVX512_BF16 or AMX, make them fast); elsewhere they ke
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -92,7 +90,9 @@ def pack_linears(model: nn.Module, batch_hint: int = 16) -> int:
     `PackedLinear`; returns how many.
 
     A no-op (0) on other devices, other dtypes, without oneDNN, or with RAGSPEC_PACKED_LINEAR=0."""
-    if os.environ.get("RAGSPEC_PACKED_LINEAR", "1") == "0" or not packing_available():
+    from ragspec.runtime.options import runtime_options
+
+    if not runtime_options().packed_linear or not packing_available():
         return 0
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu":

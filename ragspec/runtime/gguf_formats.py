@@ -217,7 +217,7 @@ def dequantize(fmt: str, w: torch.Tensor, wh: torch.Tensor, d: torch.Tensor, mn:
 def int8_copy(fmt: str, w: torch.Tensor, wh: torch.Tensor, d: torch.Tensor, mn: torch.Tensor, n: int,
               k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 prompt copy of packed blocks: (int8 [n, k], scale per output), as `Int8Linear` quantizes."""
-    from ragspec.models.int8_linear import quantize_rows
+    from ragspec.runtime.int8_linear import quantize_rows
 
     q, scale = quantize_rows(dequantize(fmt, w, wh, d, mn, n, k))
     return q.to(torch.int8), scale.reshape(-1)

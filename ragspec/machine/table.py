@@ -11,7 +11,7 @@ of n tokens over a 512-token cache. The table is cached as JSON beside the draft
 Each candidate is measured in a child process: a native build that dies (SIGILL on a CPU it was not built
 for) or runs out of memory costs that candidate, recorded with why, never the caller. A pipeline on a machine
 with no table yet does not wait for it: it takes `guess` (from the CPU flags) and the table is measured by a
-detached job once the machine is quiet (`calibration_job.py`); `RAGSPEC_CALIBRATE=foreground` measures first,
+detached job once the machine is quiet (`machine/job.py`); `RAGSPEC_CALIBRATE=foreground` measures first,
 `off` keeps the guess and measures nothing.
 """
 
@@ -30,8 +30,9 @@ from typing import NamedTuple
 
 from ragspec.cpu_flags import flags_hash, read_cpuinfo
 from ragspec.errors import RagspecError
-from ragspec.models.machine_measure import BLEND, CONTEXT, SIZES, run_child
+from ragspec.machine.measure import BLEND, CONTEXT, SIZES, run_child
 from ragspec.paths import ragspec_home, read_json, write_json
+from ragspec.runtime.options import runtime_options
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
@@ -160,7 +161,7 @@ def _transformers_gguf(cpu: dict, model: str) -> str | None:
     if lookup(model, "generator") is None:
         if not (is_gguf_file(model) and Path(model).expanduser().is_file()):
             return "dtype gguf runs an embedded model's GGUF blocks or a local .gguf file"
-        from ragspec.models.gguf_source import architecture, file_source
+        from ragspec.runtime.gguf_file import architecture, file_source
 
         try:
             architecture(file_source(model))
@@ -174,7 +175,7 @@ def _transformers_gguf(cpu: dict, model: str) -> str | None:
 
 
 def _llama(cpu: dict, model: str) -> str | None:
-    from ragspec.decoding.backends.llama_cpp import available
+    from ragspec.runtime.llama_cpp_model import available
 
     if not has_gguf(model):
         return "the model has no GGUF (llama.cpp runs embedded models or a local .gguf file)"
@@ -257,14 +258,14 @@ def table_key(model: str, cpu: dict | None = None, candidates=CANDIDATES) -> str
     import torch
 
     from ragspec.models.generator import prompt_copy_key
-    from ragspec.models.gguf_kernel import source_digest
-    from ragspec.models.gguf_linear import superblock_activations
-    from ragspec.models.step_forward import wanted as step_forward_wanted
+    from ragspec.runtime.gguf_kernel import source_digest
+    from ragspec.runtime.gguf_linear import superblock_activations
+    from ragspec.runtime.step_forward import wanted as step_forward_wanted
 
     cpu = cpu or cpu_info()
     model_id = model if not Path(model).expanduser().exists() else str(Path(model).expanduser().resolve())
     parts = [FORMAT, model_id, cpu["model"], cpu["flags_hash"], cpu["threads"], cpu["cores"], torch.__version__,
-             _llama_version(), source_digest(), os.environ.get("RAGSPEC_PACKED_LINEAR", "1"), prompt_copy_key(model),
+             _llama_version(), source_digest(), runtime_options().key(), prompt_copy_key(model),
              "1" if superblock_activations() else "0", "step" if step_forward_wanted() else "modules", CONTEXT, SIZES,
              [c.name for c in candidates]]
     h = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
@@ -511,13 +512,13 @@ def resolve(generator, device: str, prompt_tokens: int, answer_tokens: int, draf
     # the whole table (every candidate), so pipelines of other settings on this machine share one file
     path = table_path(generator.model, cache_dir, cpu)
     table = read_json(path)
-    from ragspec.models import calibration_job
+    from ragspec.machine import launch
 
-    mode = calibration_job.mode()
+    mode = launch.mode()
     if table is None and mode == "foreground":
         table = machine_table(generator.model, cache_dir=cache_dir, progress=progress)
     if mode != "off" and (table is None or (table.get("contended") and table.get("tries", 1) < TRIES)):
-        log = calibration_job.start(generator.model, path, cache_dir, again=table is not None)
+        log = launch.start(generator.model, path, cache_dir, again=table is not None)
         if log is not None and progress is not None:
             progress(("this machine's figures were measured beside another job: measuring again" if table else
                       "no measurements of this machine yet: they run in the background once it is quiet")

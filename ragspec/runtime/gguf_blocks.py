@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from ragspec.errors import RagspecError
-from ragspec.models.gguf_source import ARCHS, parse_header
 from ragspec.paths import ragspec_home
+from ragspec.runtime.gguf_file import ARCHS, parse_header
 
 log = logging.getLogger(__name__)
 PARTS = ("w", "wh", "d", "mn")
@@ -59,7 +59,7 @@ def packing_digest() -> str:
 
 
 def _source(gguf):
-    from ragspec.models.gguf_source import GGUFSource, file_source
+    from ragspec.runtime.gguf_file import GGUFSource, file_source
 
     return gguf if isinstance(gguf, GGUFSource) else file_source(gguf)
 
@@ -126,7 +126,7 @@ def read_tensors(gguf) -> tuple[str, dict[str, Tensor]]:
     arrays first: 8.5 s for the 1.5B's vocabulary and merges, against well under a second here."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from ragspec.models.gguf_source import GGUFSource, file_source
+    from ragspec.runtime.gguf_file import GGUFSource, file_source
 
     source = gguf if isinstance(gguf, GGUFSource) else file_source(gguf) if Path(gguf).suffix == ".gguf" else None
     parts = source.parts if source is not None else (Path(gguf),)
@@ -169,7 +169,7 @@ def read_tensors(gguf) -> tuple[str, dict[str, Tensor]]:
 def _pack(gguf, heads: int, kv_heads: int, lazy: bool = False):
     """(architecture, {HF module name: Packed}); with `lazy`, the linears as an iterator of (name, Packed) pairs,
     packed as they are taken (so a writer holds a few at a time, not the model's worth)."""
-    from ragspec.models.gguf_formats import hf_module_name
+    from ragspec.runtime.gguf_formats import hf_module_name
 
     arch, tensors = read_tensors(gguf)
     if arch not in ARCHS:
@@ -187,7 +187,7 @@ def _pack(gguf, heads: int, kv_heads: int, lazy: bool = False):
 
 
 def _pack_one(arch: str, target: str, t: Tensor, heads: int, kv_heads: int) -> Packed:
-    from ragspec.models.gguf_formats import _unpermute_rows, decode_blocks, pack, scale_tensors
+    from ragspec.runtime.gguf_formats import _unpermute_rows, decode_blocks, pack, scale_tensors
 
     cols, rows = t.shape[:2]  # ggml lists the innermost dimension first
     fmt, q, d, m = decode_blocks(t.data, t.type_name, rows, cols)

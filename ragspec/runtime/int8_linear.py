@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from types import SimpleNamespace
 
@@ -33,7 +32,7 @@ from torch import nn
 
 from ragspec.cpu_flags import native_int8
 from ragspec.errors import RagspecError
-from ragspec.models.cpu_linear import replace_module
+from ragspec.runtime.cpu_linear import replace_module
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +62,9 @@ def _int_mm_is_fast() -> bool:
 def int8_kernel() -> str:
     """`int_mm` where the CPU has int8 units and PyTorch uses them, else `fp32` (the same numbers);
     RAGSPEC_INT8_KERNEL=int_mm|fp32 forces one."""
-    forced = os.environ.get("RAGSPEC_INT8_KERNEL")
+    from ragspec.runtime.options import runtime_options
+
+    forced = runtime_options().int8_kernel
     if forced:
         if forced not in KERNELS:
             raise RagspecError(f"RAGSPEC_INT8_KERNEL '{forced}' is not one of {', '.join(KERNELS)}")
@@ -102,7 +103,7 @@ class Int8Linear(nn.Module):
             self.register_buffer("w_q", w_q.to(torch.int8))  # [N, K]; `_int_mm` takes its transpose as a view
             self.slices = []
         else:
-            from ragspec.models.cpu_linear import packing_available
+            from ragspec.runtime.cpu_linear import packing_available
 
             k = self.in_features
             step = -(-k // -(-k // EXACT_SLICE))  # equal slices of at most EXACT_SLICE features

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ragspec.decoding.prompt_mode import reading_prompt
-from ragspec.models.gguf_formats import FORMATS, SUPERBLOCK
-from ragspec.models.gguf_linear import PROMPT_ROWS, GGUFLinear
+from ragspec.runtime.gguf_formats import FORMATS, SUPERBLOCK
+from ragspec.runtime.gguf_linear import PROMPT_ROWS, GGUFLinear
+from ragspec.runtime.prompt_mode import reading_prompt
 
 
 class FusedMLP(nn.Module):
@@ -23,7 +23,7 @@ class FusedMLP(nn.Module):
 
     def __init__(self, mlp: nn.Module):
         super().__init__()
-        from ragspec.models.gguf_kernel import load_kernels
+        from ragspec.runtime.gguf_kernel import load_kernels
 
         self.ops = load_kernels()
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
@@ -62,7 +62,7 @@ class FusedRMSNorm(nn.Module):
 
     def __init__(self, norm: nn.Module):
         super().__init__()
-        from ragspec.models.gguf_kernel import load_kernels
+        from ragspec.runtime.gguf_kernel import load_kernels
 
         self.ops = load_kernels()
         self.weight = norm.weight
@@ -82,7 +82,7 @@ class FusedRMSNorm(nn.Module):
 def fuse_layers(model: nn.Module) -> dict:
     """Swap each MLP whose three linears are `GGUFLinear`s without bias (SiLU-gated, as Llama and Qwen2 are) and
     each RMSNorm for the fused modules. Returns how many of each."""
-    from ragspec.models.cpu_linear import replace_module
+    from ragspec.runtime.cpu_linear import replace_module
 
     silu = getattr(model.config, "hidden_act", None) == "silu"
     done = {"mlp": 0, "rms_norm": 0}

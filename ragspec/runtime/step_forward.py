@@ -17,18 +17,16 @@ plain or growing layers, and a forward that is not a prompt read (`prompt_mode.p
 from __future__ import annotations
 
 import inspect
-import os
 import weakref
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ragspec.decoding.backends.attention import WEIGHTS_FLAG
-from ragspec.decoding.backends.growing_cache import GrowingLayer
-from ragspec.decoding.prompt_mode import reading_prompt
-from ragspec.models.exact_attention import NAME, kernel_mask
-from ragspec.models.gguf_kernel import load_kernels
+from ragspec.runtime.exact_attention import NAME, WEIGHTS_FLAG, kernel_mask
+from ragspec.runtime.gguf_kernel import load_kernels
+from ragspec.runtime.growing_cache import GrowingLayer
+from ragspec.runtime.prompt_mode import reading_prompt
 
 # the output's cache field: `cache` in recent transformers 5.x (5.24 warns on `past_key_values`), that before
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -37,7 +35,9 @@ DECODERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")  # pre-norm, SiLU MLP, rot
 
 def wanted() -> bool:
     """RAGSPEC_STEP_FORWARD=0 keeps every forward on the module tree (for comparisons; the bits are the same)."""
-    return os.environ.get("RAGSPEC_STEP_FORWARD", "1") != "0"
+    from ragspec.runtime.options import runtime_options
+
+    return runtime_options().step_forward
 
 
 def install(model) -> bool:
@@ -61,9 +61,9 @@ def install(model) -> bool:
 
 
 def _supported(model) -> bool:
-    from ragspec.models.exact_attention import NAME
-    from ragspec.models.fused_layers import FusedMLP, FusedRMSNorm
-    from ragspec.models.gguf_linear import GGUFLinear
+    from ragspec.runtime.exact_attention import NAME
+    from ragspec.runtime.fused_layers import FusedMLP, FusedRMSNorm
+    from ragspec.runtime.gguf_linear import GGUFLinear
 
     inner = getattr(model, "model", None)
     cfg = getattr(model, "config", None)

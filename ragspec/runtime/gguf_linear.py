@@ -16,11 +16,11 @@ Reading a prompt is another matter: hundreds of rows reuse every weight, so the 
 RAGSPEC_GGUF_PROMPT picks a second copy of the weights for it; unset, a model's measured setting does (registry
 `prompt_copy`: the 0.5B's and the 1.5B's int8, answers within one standard error), and other models (and these
 where there are no int8 units: an AVX2-only CPU) read prompts on the integer kernel too. Without the bf16 copy,
-the forwards the backends mark as reading prompt positions (`decoding/prompt_mode.py`) run their attention in
+the forwards the backends mark as reading prompt positions (`runtime/prompt_mode.py`) run their attention in
 `prompt_attention.cpp` (GEMM-shaped tiles: a prompt position is never read as a step):
 - `int8`, where `torch._int_mm` runs on int8 units (VNNI/AMX): each linear but lm_head keeps its de-quantized
   weights re-quantized to int8 per output channel (`int8_linear.Int8Linear`: activations int8 per row, exact
-  int32 sums), used by the forwards the backends mark as reading prompt positions (`decoding/prompt_mode.py`),
+  int32 sums), used by the forwards the backends mark as reading prompt positions (`runtime/prompt_mode.py`),
   however many rows they have. Rows stay independent, so a prompt read in any chunks, or behind a reused prefix,
   gives the same bits. 1 byte a weight more memory, and other numbers than the blocks' for those positions. Those
   forwards' attention runs `prompt_attention.cpp` and the copy's per-row int8 steps `int8_rows.cpp` (the MLP's
@@ -35,22 +35,21 @@ the forwards the backends mark as reading prompt positions (`decoding/prompt_mod
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import torch
 from torch import nn
 
-from ragspec.decoding.prompt_mode import reading_prompt
 from ragspec.errors import RagspecError
-from ragspec.models.cpu_linear import replace_module
-from ragspec.models.gguf_formats import (
+from ragspec.runtime.cpu_linear import replace_module
+from ragspec.runtime.gguf_formats import (
     FORMATS,
     SUPERBLOCK,
     dequantize,
     pack,
     scale_tensors,
 )
+from ragspec.runtime.prompt_mode import reading_prompt
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +60,12 @@ def superblock_activations() -> bool:
     """Q4_K linears on llama.cpp's Q8_K activation rule: by default where the kernel drives AMX tiles (the 1.5B's
     prompts 0.89× the time there, its answers within one standard error), not elsewhere (slower without AMX);
     RAGSPEC_GGUF_Q8K=1 or 0 decides instead (docs/decoding.md)."""
-    env = os.environ.get("RAGSPEC_GGUF_Q8K", "")
-    if env in ("0", "1"):
-        return env == "1"
-    from ragspec.models.gguf_kernel import amx_expected
+    from ragspec.runtime.options import runtime_options
+
+    forced = runtime_options().q8k
+    if forced is not None:
+        return forced
+    from ragspec.runtime.gguf_kernel import amx_expected
 
     return amx_expected()
 
@@ -78,15 +79,17 @@ def prompt_copy_kind(default: str | None = None) -> str | None:
     (the model's measured setting: registry `prompt_copy`). The bf16 copy is chosen by row count, so a prompt
     whose start comes from the prefix cache reads its remainder with other kernels than a fresh one and can
     answer differently (seen: two serve replicas, 5-7 of 8 answers as asked alone); the int8 copy is chosen by
-    role (`decoding/prompt_mode.py`) and keeps every read exact."""
-    value = os.environ.get("RAGSPEC_GGUF_PROMPT")
+    role (`runtime/prompt_mode.py`) and keeps every read exact."""
+    from ragspec.runtime.options import runtime_options
+
+    value = runtime_options().prompt_copy
     asked = value is not None
-    value = value.strip().lower() if asked else (default or "0")
+    value = value if asked else (default or "0")
     if value not in PROMPT_COPIES:
         raise RagspecError(f"RAGSPEC_GGUF_PROMPT '{value}' is not one of 0, 1 (bf16), bf16, int8")
     kind = PROMPT_COPIES[value]
     if kind == "int8":
-        from ragspec.models.int8_linear import int8_kernel
+        from ragspec.runtime.int8_linear import int8_kernel
 
         if int8_kernel() != "int_mm":
             if asked:
@@ -95,7 +98,7 @@ def prompt_copy_kind(default: str | None = None) -> str | None:
             return None
     elif kind == "bf16":
         from ragspec.cpu_flags import native_bf16
-        from ragspec.models.cpu_linear import bf16_packing_available
+        from ragspec.runtime.cpu_linear import bf16_packing_available
 
         if not (native_bf16() and bf16_packing_available()):
             return None
@@ -128,7 +131,7 @@ class GGUFLinear(nn.Module):
 
     def _setup(self, fmt, rows, cols, w, wh, sd, smn, bias, gguf_type, prompt_copy, superblock) -> None:
         super().__init__()
-        from ragspec.models.gguf_kernel import load_kernels
+        from ragspec.runtime.gguf_kernel import load_kernels
 
         self.ops = load_kernels()
         self.out_features, self.in_features = rows, cols
@@ -148,7 +151,7 @@ class GGUFLinear(nn.Module):
         if kind == "bf16":
             self.prompt = torch.ops.mkldnn._reorder_linear_weight(self.dequantize().to(torch.bfloat16), 16)
         elif kind == "int8":
-            from ragspec.models.int8_linear import Int8Linear
+            from ragspec.runtime.int8_linear import Int8Linear
 
             # made from the blocks in one pass (`int8_copy.cpp`: gguf_formats.int8_copy's bits, 0.2 s for 100 M weights
             # on 2 cores against torch's 0.7 s); the fp32 kernel gives the same numbers
@@ -204,7 +207,7 @@ def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | str | No
     (from `output.weight`, or the tied `token_embd.weight`) unless `head` is False. Returns {module name: GGUF
     type}. The int8 prompt copy leaves lm_head out: a prompt forward keeps one row's logits, the last one, and
     the prompt's last token is read as a step reads it."""
-    from ragspec.models.gguf_blocks import packed_blocks
+    from ragspec.runtime.gguf_blocks import packed_blocks
 
     kind = prompt_copy_kind() if prompt_copy is None else {True: "bf16", False: None}.get(prompt_copy, prompt_copy)
     cfg = model.config
@@ -229,7 +232,7 @@ def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | str | No
     # the backends mark its prompt forwards, whose attention runs prompt_attention.cpp (but with the bf16 copy,
     # chosen by row count)
     model.ragspec_prompt_role = kind != "bf16"
-    from ragspec.models.exact_attention import model_configs
+    from ragspec.runtime.exact_attention import model_configs
 
     for cfg in model_configs(model):  # its prompt rows' attention: exact_attention.py
         cfg.ragspec_prompt_attention = kind != "bf16"
@@ -241,6 +244,6 @@ def kernels_key(model: nn.Module) -> str:
     otherwise. Read from the linears as they run (the fused MLPs keep the rule only for gate/up pairs), so a
     model that has none on it (the 0.5B, SmolLM2) keeps its key."""
     q8k = any(isinstance(m, GGUFLinear) and m.code == SUPERBLOCK for m in model.modules())
-    from ragspec.models.gguf_kernel import source_digest
+    from ragspec.runtime.gguf_kernel import source_digest
 
     return source_digest() + ("-q8k" if q8k else "")

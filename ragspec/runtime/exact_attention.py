@@ -20,7 +20,7 @@ A model whose config has `ragspec_native_attention` (dtype gguf, whose C++ kerne
 reading the float32 cache in place (its query heads together, block by block), so a row's result is the same bits
 however rows are batched by construction, and no step converts the whole cache to float64. A model that reads its
 prompts by role (`ragspec_prompt_attention`: dtype gguf but with the bf16 copy) runs the rows of its prompt
-forwards (`decoding/prompt_mode.py`) in `prompt_attention.cpp`: as row-independent, in GEMM-shaped tiles (prompt
+forwards (`runtime/prompt_mode.py`) in `prompt_attention.cpp`: as row-independent, in GEMM-shaped tiles (prompt
 positions are never read as steps there, so their arithmetic may differ from a step's).
 """
 
@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from ragspec.decoding.backends.attention import WEIGHTS_FLAG
-from ragspec.decoding.prompt_mode import reading_prompt
+from ragspec.runtime.prompt_mode import reading_prompt
+
+WEIGHTS_FLAG = "ragspec_attention_weights"  # on an attention module: the exact attention returns its weights too
 
 NAME = "ragspec_exact"
 QUERY_BLOCK = 256  # queries per float64 score block: bounds memory on long prompts (rows are independent)
@@ -101,7 +102,7 @@ def _weights(query, key, attention_mask, scaling) -> torch.Tensor:
 def _native(query, key, value, attention_mask, scaling, prompt: bool = False) -> torch.Tensor:
     """`attention_kernel.cpp`'s exact attention ([B, Q, H, D]), or with `prompt` `prompt_attention.cpp`'s (rows
     read by a prompt copy); a boolean mask becomes an additive one."""
-    from ragspec.models.gguf_kernel import load_kernels
+    from ragspec.runtime.gguf_kernel import load_kernels
 
     mask = torch.empty(0) if attention_mask is None else kernel_mask(attention_mask, key.shape[2])
     ops = load_kernels()

@@ -1,5 +1,5 @@
 """Which forwards read prompt positions, for a model that reads a prompt otherwise than a step: with other weights
-(dtype gguf's int8 prompt copy, `models/gguf_linear.py`) or other attention arithmetic (dtype gguf's prompt rows
+(dtype gguf's int8 prompt copy, `runtime/gguf_linear.py`) or other attention arithmetic (dtype gguf's prompt rows
 in `prompt_attention.cpp`, GEMM-shaped tiles, 2.7-3.5x the step kernel's speed on an AVX2 CPU).
 
 Why by role and not by row count: a prompt read behind a reused prefix, or in chunks of another size, must give

@@ -1,4 +1,4 @@
-// The per-row int8 steps around `torch._int_mm` (models/int8_linear.py) in one pass each, for dtype gguf's int8
+// The per-row int8 steps around `torch._int_mm` (runtime/int8_linear.py) in one pass each, for dtype gguf's int8
 // prompt copy. Built with the GGUF kernels by ragspec/models/gguf_kernel.py.
 //
 // Why: PyTorch runs int8_linear.quantize_rows as five passes over the activations (abs, max, divide, round,

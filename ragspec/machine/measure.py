@@ -8,7 +8,7 @@ index build in any ragspec process on the machine) a few times a second; while o
 `RESUME_AFTER_S`. The child measures in slices (one prefill, one run of t(n), one assembly): a slice during which
 it was stopped is measured again, so a pause never lands in a figure.
 
-`python -m ragspec.models.machine_measure MODEL BACKEND DTYPE THREADS` prints one candidate's JSON.
+`python -m ragspec.machine.measure MODEL BACKEND DTYPE THREADS` prints one candidate's JSON.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def run_child(model: str, backend: str, dtype: str, threads: int, say: Callable[
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
                TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "ragspec.models.machine_measure", model, backend, dtype, str(threads)]
+    cmd = [sys.executable, "-m", "ragspec.machine.measure", model, backend, dtype, str(threads)]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         child = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, text=True,
                                  start_new_session=True)
@@ -207,7 +207,7 @@ def measure_assembly(lm, prompt: list[int], repeats: int = 1) -> dict:
 
 
 def _main(argv: list[str]) -> None:
-    """`python -m ragspec.models.machine_measure MODEL BACKEND DTYPE THREADS`: one candidate's JSON."""
+    """`python -m ragspec.machine.measure MODEL BACKEND DTYPE THREADS`: one candidate's JSON."""
     model, backend, dtype, threads = argv
     signal.signal(signal.SIGCONT, _on_continue)
     import torch

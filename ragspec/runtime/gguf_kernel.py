@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ragspec.errors import RagspecError
 from ragspec.paths import ragspec_home
+from ragspec.runtime.options import runtime_options
 
 STEP_SOURCES = [Path(__file__).with_name(name)  # what a forward runs: their digest names its measurements
                 for name in ("gguf_kernel.cpp", "attention_kernel.cpp", "prompt_attention.cpp", "int8_rows.cpp")]
@@ -52,11 +53,9 @@ def amx_expected() -> bool:
     """Whether the kernels will drive AMX tiles here: the CPU has AMX-INT8 (so `-march=native` builds the tile
     pass) and RAGSPEC_GGUF_AMX is not 0. Read from the flags, without loading the kernels, so a cache key can
     name it."""
-    import os
-
     from ragspec.cpu_flags import cpu_flags
 
-    return {"amx_tile", "amx_int8"} <= cpu_flags() and os.environ.get("RAGSPEC_GGUF_AMX", "1") != "0"
+    return {"amx_tile", "amx_int8"} <= cpu_flags() and runtime_options().amx
 
 
 @functools.lru_cache(maxsize=1)

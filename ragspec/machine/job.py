@@ -7,40 +7,23 @@ until the other processes leave the CPUs nearly idle and no ragspec process does
 takes the calibration lock, measures, and writes the table that later loads read (and a pipeline holding a guess
 switches to, between asks). While it measures, any new user work stops it within a second until the machine is
 quiet again (`machine_measure`). Its lines go to a log beside the table (`ragspec models` shows the last).
-`python -m ragspec.models.calibration_job MODEL`.
+`python -m ragspec.machine.job MODEL`, started by `launch.start`.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from ragspec import activity
+from ragspec.machine.launch import WAIT_S
 
 QUIET = 0.25  # the machine counts as quiet when processes use under this share of all its CPUs
 QUIET_FOR_S = 10  # … for this many seconds in a row, the process that started the job idle or gone meanwhile
 PARENT_IDLE = 0.05  # CPU seconds a second under which the starting process counts as idle (between asks)
-WAIT_S = 900  # at most this long waiting for quiet; then the measurement runs anyway (rows marked if contended)
 
-_started: set[str] = set()  # tables this process has started a job for
-
-
-MODES = ("background", "foreground", "off")
-
-
-def mode() -> str:
-    """RAGSPEC_CALIBRATE: where a machine with no table gets one. `background` (the default): a guess now, this
-    job once the machine is quiet; `foreground`: measured before the first ask; `off`: the guess, nothing
-    measured (short-lived containers, the test suite: the guess is what every table measured so far picks)."""
-    from ragspec.errors import RagspecError
-
-    value = os.environ.get("RAGSPEC_CALIBRATE", "background").strip().lower() or "background"
-    if value not in MODES:
-        raise RagspecError(f"RAGSPEC_CALIBRATE '{value}' is not one of {', '.join(MODES)}")
-    return value
 
 
 def busy_share(interval_s: float = 1.0) -> float | None:
@@ -95,34 +78,13 @@ def wait_for_quiet(say, wait_s: float = WAIT_S, parent: int | None = None) -> bo
     return False
 
 
-def start(model: str, table_path: Path, cache_dir: Path | None = None, again: bool = False,
-          wait_s: float = WAIT_S) -> Path | None:
-    """Start the detached job measuring `model`'s table (once per process and table; `again`: the table there
-    is contended); returns its log's path, or None when this process already started one."""
-    if str(table_path) in _started:
-        return None
-    _started.add(str(table_path))
-    log = table_path.with_suffix(".log")
-    log.parent.mkdir(parents=True, exist_ok=True)
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "ragspec.models.calibration_job", model]
-    cmd += ["--cache-dir", str(cache_dir)] if cache_dir else []
-    cmd += ["--again"] if again else []
-    cmd += ["--wait-s", str(wait_s), "--parent", str(os.getpid())]
-    with open(log, "a") as out:
-        subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                         start_new_session=True, close_fds=True)
-    return log
-
-
 def run(model: str, cache_dir: Path | None = None, again: bool = False, wait_s: float = WAIT_S,
         parent: int | None = None) -> dict | None:
     """The job itself: wait for quiet, then measure (or read the table another process measured meanwhile).
     `again`: the table there was measured beside another job; a machine still busy after `wait_s` leaves it as
     it is, and that wait counts as one of its TRIES (machine.busy_try), so a machine that stays busy stops
     starting jobs."""
-    from ragspec.models.machine import TRIES, busy_try, llama_slower, machine_table
+    from ragspec.machine.table import TRIES, busy_try, llama_slower, machine_table
 
     def say(line: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
