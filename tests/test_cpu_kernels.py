@@ -27,6 +27,7 @@ from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.errors import RagspecError
 from ragspec.runtime.cpu_linear import PackedLinear, bf16_packing_available
 from ragspec.runtime.int8_linear import EXACT_SLICE, Int8Linear
+from ragspec.runtime.model_runtime import runtime_of
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
 HAS_INT_MM = hasattr(torch, "_int_mm")
@@ -201,12 +202,12 @@ def test_cost_key_names_the_numerics(smol):
     if dtype == "bfloat16":
         assert "-bfloat16-" in key
         return
-    marker = model.ragspec_int8
-    del model.ragspec_int8
+    marker = runtime_of(model).int8
+    runtime_of(model).int8 = None
     try:
         as_fp32 = TransformersBackend.cost_key(model)
     finally:
-        model.ragspec_int8 = marker
+        runtime_of(model).int8 = marker
     assert "-float32-" in as_fp32 and key == f"{as_fp32}-int8-{marker}"
     model.config._attn_implementation = "sdpa"  # the attention kernel is named unless it is transformers' sdpa
     try:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ragspec.runtime.cpu_linear import PackedLinear, pack_linears, packing_available
+from ragspec.runtime.model_runtime import runtime_of
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no oneDNN linear ops")
 
@@ -29,10 +30,10 @@ def test_packed_model_matches_plain_model(monkeypatch):
 
     monkeypatch.setenv("RAGSPEC_PACKED_LINEAR", "0")
     plain, tok = load_generator("smollm2-135m-instruct")
-    assert not getattr(plain, "ragspec_packed_linears", 0)
+    assert not getattr(runtime_of(plain), "packed_linears", 0)
     monkeypatch.setenv("RAGSPEC_PACKED_LINEAR", "1")
     packed, _ = load_generator("smollm2-135m-instruct")
-    assert packed.ragspec_packed_linears > 0
+    assert runtime_of(packed).packed_linears > 0
     assert not any(type(m) is nn.Linear for m in packed.modules())
     messages = [{"role": "user", "content": "Name three rivers of Europe and one fact about each."}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]

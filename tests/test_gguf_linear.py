@@ -21,6 +21,7 @@ from ragspec.errors import RagspecError
 from ragspec.models.registry import installed, lookup
 from ragspec.runtime.gguf_formats import GROUP, decode_blocks, pack, requantize_s8, unpack
 from ragspec.runtime.gguf_linear import PROMPT_ROWS, GGUFLinear
+from ragspec.runtime.model_runtime import runtime_of
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
 SMOL = "smollm2-135m-instruct"
@@ -287,7 +288,7 @@ def gguf_cases(smol_gguf):
 def test_every_linear_runs_the_gguf_blocks(smol_gguf):
     model, _ = smol_gguf
     layers = model.config.num_hidden_layers
-    kinds = model.ragspec_gguf
+    kinds = runtime_of(model).gguf
     assert len(kinds) == 7 * layers + 1 and kinds["lm_head"] == "Q8_0"
     assert sum(isinstance(m, GGUFLinear) for m in model.modules()) == 7 * layers + 1
     assert not any(type(m) is torch.nn.Linear for m in model.modules())

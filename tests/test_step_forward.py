@@ -13,6 +13,7 @@ from transformers import DynamicCache
 from ragspec.decoding.backends.transformers import cache_arg
 from ragspec.models.registry import installed
 from ragspec.runtime.growing_cache import growing
+from ragspec.runtime.model_runtime import runtime_of
 from ragspec.runtime.prompt_mode import prompt_forward
 from ragspec.runtime.step_forward import step_forward
 
@@ -59,7 +60,7 @@ def _tree_mask(rows: int, past: int, kind=torch.float32) -> torch.Tensor:
 def test_a_step_is_the_module_trees_bits(gguf, rows, mask):
     """Logits and the keys and values appended: equal, bit for bit, to the modules' forward over the same cache."""
     model = gguf
-    assert model.ragspec_step_forward and model.ragspec_kernels.endswith("-step")
+    assert runtime_of(model).step_forward and runtime_of(model).kernels.endswith("-step")
     cache, past = _prefilled(model)
     ids = torch.randint(100, 20000, (1, rows), generator=torch.Generator().manual_seed(rows))
     pos = torch.arange(past, past + rows)[None]
@@ -109,8 +110,8 @@ def test_switched_off_and_other_models_keep_the_modules(monkeypatch):
 
     monkeypatch.setenv("RAGSPEC_STEP_FORWARD", "0")
     model, _ = load_generator(SMOL, dtype="gguf")
-    assert not getattr(model, "ragspec_step_forward", False) and "forward" not in vars(model)
+    assert not runtime_of(model).step_forward and "forward" not in vars(model)
     assert TransformersBackend.cost_key(model).endswith(f"-gguf-{source_digest()}")  # costs of the module tree
     monkeypatch.delenv("RAGSPEC_STEP_FORWARD")
     plain, _ = load_generator(SMOL, dtype="float32")  # no GGUF kernels: nothing to route
-    assert not getattr(plain, "ragspec_step_forward", False)
+    assert not getattr(runtime_of(plain), "step_forward", False)

@@ -29,6 +29,7 @@ from ragspec.decoding.drafters.base import DraftState
 from ragspec.decoding.generate import SpeculativeGenerator
 from ragspec.errors import RagspecError
 from ragspec.machine.table import machine_info
+from ragspec.runtime.model_runtime import runtime_of
 from ragspec.runtime.prompt_mode import prompt_copy
 
 HF_METHODS = ("vanilla", "hf-pld")
@@ -55,9 +56,10 @@ def bench_machine() -> dict:
 def model_dtype(model) -> str:
     """The weights' format a bench ran: gguf (ragspec's kernels on the GGUF's blocks, or llama.cpp itself), int8,
     or the torch dtype."""
-    if is_llama(model) or getattr(model, "ragspec_gguf", None):
+    rt = runtime_of(model)
+    if is_llama(model) or (rt is not None and rt.gguf):
         return "gguf"
-    if getattr(model, "ragspec_int8", None) is not None:
+    if rt is not None and rt.int8 is not None:
         return "int8"
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 

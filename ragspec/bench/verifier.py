@@ -220,21 +220,20 @@ def prompt_kernel_pairs(model: str, rounds: int) -> None:
     from unittest import mock
 
     from ragspec.models.generator import load_generator
-    from ragspec.runtime.exact_attention import model_configs
     from ragspec.runtime.gguf_linear import GGUFLinear
+    from ragspec.runtime.model_runtime import runtime_of
     from ragspec.runtime.prompt_mode import prompt_forward
 
     with mock.patch.dict(os.environ, {"RAGSPEC_GGUF_PROMPT": "int8"}):
         hf, _ = load_generator(model, "cpu", "gguf")
     copies = [m.prompt_int8 for m in hf.modules() if isinstance(m, GGUFLinear) and m.prompt_int8 is not None]
     ops = copies[0].ops if copies else None  # none without int8 units: the attention alone switches
-    configs = model_configs(hf)
+    runtime = runtime_of(hf)
 
     def switch(mode):
         for c in copies:
             c.ops = ops if mode else None
-        for cfg in configs:
-            cfg.ragspec_prompt_attention = bool(mode)
+        runtime.prompt_attention = bool(mode)
 
     with prompt_forward():
         switched_pairs(hf, rounds, switch, ("before_ms", "after_ms"), sizes=())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 from pathlib import Path
@@ -10,8 +9,6 @@ from pathlib import Path
 from ragspec.errors import RagspecError
 from ragspec.models.registry import hub_error, lookup, resolve_hub_or_folder
 from ragspec.runtime.options import runtime_options
-
-log = logging.getLogger(__name__)
 
 
 def torch_dtype(name: str, what: str):
@@ -50,10 +47,9 @@ def tokenizer_source(name: str) -> str:
 
 
 def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
-    """(model, tokenizer), the model in eval mode on `device`. On CPU its linears are packed for oneDNN
-    (float32; bfloat16 where oneDNN runs it) or, for dtype int8, quantised (`runtime/int8_linear.py`), or, for
-    dtype gguf, built from the GGUF alone with its linears in the GGUF's own blocks (`models/gguf_model.py`:
-    no float copy on disk or in memory)."""
+    """(model, tokenizer), the model in eval mode on `device`, made ready by `runtime.prepare` (on CPU its linears
+    packed for oneDNN, quantised for dtype int8, and so on). dtype gguf builds it from the GGUF alone, its linears
+    on the GGUF's own blocks (`models/gguf_model.py`: no float copy on disk or in memory)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dt = torch_dtype(dtype, "generator")
@@ -75,43 +71,9 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
         except Exception as exc:
             raise hub_error(name, "generator", exc) from exc
     model.eval()
-    from ragspec.runtime.cpu_linear import pack_linears
+    from ragspec.runtime.prepare import prepare
 
-    if device == "cpu" and dtype == "bfloat16":
-        from ragspec.cpu_flags import native_bf16
-
-        if not native_bf16():
-            log.warning("generator dtype bfloat16: this CPU has no native bf16 (AVX512_BF16/AMX), so it runs "
-                        "emulated, slower than float32")
-    if dtype == "int8":
-        from ragspec.runtime.int8_linear import quantize_linears
-
-        quantize_linears(model)  # every linear but lm_head, which pack_linears packs in float32
-    if dtype == "gguf":
-        from ragspec.runtime.fused_layers import fuse_layers
-
-        fuse_layers(model)  # MLPs and RMSNorms: one kernel call each
-        from ragspec.runtime.gguf_linear import kernels_key
-
-        model.ragspec_kernels = kernels_key(model)  # in the t(n) cost key, as the linears now run
-    pack_linears(model)  # CPU only; a no-op elsewhere
-    quantized = ("int8", "gguf", "bfloat16", "float16")
-    if device == "cpu" and dtype in quantized and runtime_options().exact_attention:
-        from ragspec.runtime.exact_attention import use_exact_attention
-
-        # rounding amplifies attention's batch-dependent ulps (see the module); gguf with its bf16 prompt copy
-        # (opt-in) reads long prompt chunks with PyTorch's attention, as it reads them with that copy
-        use_exact_attention(model, prompt_rows=_gguf_prompt_rows() if dtype == "gguf" else None,
-                            native=dtype == "gguf")
-        if dtype == "gguf":
-            from ragspec.runtime.step_forward import install
-
-            if install(model):  # draft steps in one loop over the layers' kernels: the same bits, less around them
-                model.ragspec_kernels += "-step"
-    elif device == "cpu":
-        from ragspec.runtime.tree_attention import use_tree_attention
-
-        use_tree_attention(model)  # tree steps read grouped key/value heads in place: see the module
+    prepare(model, device, dtype, runtime_options())
     return model, tokenizer
 
 
@@ -180,13 +142,6 @@ def prompt_copy_key(name: str) -> str:
     from ragspec.runtime.options import runtime_options
 
     return runtime_options().prompt_copy or prompt_copy(name) or "0"
-
-
-def _gguf_prompt_rows() -> int | None:
-    """Rows above which dtype gguf reads with PyTorch's attention: only with its bf16 prompt copy (opt-in)."""
-    from ragspec.runtime.gguf_linear import PROMPT_ROWS, prompt_copy_available
-
-    return PROMPT_ROWS if prompt_copy_available() else None
 
 
 def load_llama_generator(name: str, n_ctx: int = 4096):

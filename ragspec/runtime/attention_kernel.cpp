@@ -1,5 +1,5 @@
 // Exact attention for CPU decoding: softmax(q·kᵀ·scale + mask)·v in float32 with every sum in a fixed order.
-// Built with the GGUF kernels by ragspec/models/gguf_kernel.py.
+// Built with the GGUF kernels by ragspec/runtime/gguf_kernel.py.
 //
 // Why: greedy draft-and-verify equals plain greedy only if a position's logits are the same bits alone (a decode
 // step), in a prompt, or as one row of a draft tree. Here each output row [b, i, h, :] is computed by the same

@@ -103,5 +103,7 @@ def pack_linears(model: nn.Module, batch_hint: int = 16) -> int:
     for name, mod in targets:
         replace_module(model, name, PackedLinear(mod, batch_hint))
     if targets:
-        model.ragspec_packed_linears = len(targets)
+        from ragspec.runtime.model_runtime import attach
+
+        attach(model).packed_linears = len(targets)
     return len(targets)

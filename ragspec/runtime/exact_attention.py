@@ -15,11 +15,11 @@ is, in practice, the same bits whichever way the rows were batched. The cost is 
 2 Zen 3 cores prefilled 1,000 tokens at 103 tok/s against 154 with PyTorch's attention; t(1)–t(16) barely moved
 (docs/decoding.md, *CPU dtypes*). Keys hidden from a whole block of queries (a prompt's causal future) are left out.
 
-A model whose config has `ragspec_native_attention` (dtype gguf, whose C++ kernels are built anyway) runs
+A model whose runtime has `native_attention` (dtype gguf, whose C++ kernels are built anyway) runs
 `attention_kernel.cpp` instead: float32 with every sum in a fixed order, one task per query row and key/value head
 reading the float32 cache in place (its query heads together, block by block), so a row's result is the same bits
 however rows are batched by construction, and no step converts the whole cache to float64. A model that reads its
-prompts by role (`ragspec_prompt_attention`: dtype gguf but with the bf16 copy) runs the rows of its prompt
+prompts by role (`prompt_attention`: dtype gguf but with the bf16 copy) runs the rows of its prompt
 forwards (`runtime/prompt_mode.py`) in `prompt_attention.cpp`: as row-independent, in GEMM-shaped tiles (prompt
 positions are never read as steps there, so their arithmetic may differ from a step's).
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ragspec.runtime.model_runtime import attach, runtime_of
 from ragspec.runtime.prompt_mode import reading_prompt
 
 WEIGHTS_FLAG = "ragspec_attention_weights"  # on an attention module: the exact attention returns its weights too
@@ -44,10 +45,10 @@ def exact_attention(module, query, key, value, attention_mask, scaling, dropout=
         raise NotImplementedError("attention sinks (s_aux) are not supported by ragspec's exact attention")
     softcap = kwargs.get("softcap")
     weights = _weights(query, key, attention_mask, scaling) if getattr(module, WEIGHTS_FLAG, False) else None
-    if (getattr(module.config, "ragspec_native_attention", False) and not softcap and query.device.type == "cpu"
+    rt = runtime_of(module)
+    if (rt is not None and rt.native_attention and not softcap and query.device.type == "cpu"
             and query.dtype == key.dtype == value.dtype == torch.float32):
-        prompt = getattr(module.config, "ragspec_prompt_attention", False) and reading_prompt() and \
-            query.shape[-1] % 16 == 0
+        prompt = rt.prompt_attention and reading_prompt() and query.shape[-1] % 16 == 0
         return _native(query, key, value, attention_mask, scaling, prompt), weights
     b, h, q_len, d = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
@@ -121,9 +122,10 @@ def kernel_mask(mask: torch.Tensor, keys: int) -> torch.Tensor:
 
 
 def fast_prompt_attention(module, query, *args, **kwargs):
-    """Exact attention for up to `module.config.ragspec_prompt_rows` query rows (every draft step), PyTorch's
-    SDPA for more (prompt chunks: always read the same way, so their ulps never meet a draft tree's)."""
-    limit = getattr(module.config, "ragspec_prompt_rows", None)
+    """Exact attention for up to the runtime's `prompt_rows` query rows (every draft step), PyTorch's SDPA for
+    more (prompt chunks: always read the same way, so their ulps never meet a draft tree's)."""
+    rt = runtime_of(module)
+    limit = rt.prompt_rows if rt is not None else None
     if limit is not None and query.shape[2] > limit:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -136,7 +138,9 @@ def rows_independent(model) -> bool:
     for all of them, with row-independent linears): then a prompt read behind a reused prefix is the same bits as
     read whole, and the head's KV can be reused exactly."""
     cfg = getattr(model, "config", None)  # a llama.cpp model has none (and its backend takes no prefix)
-    return getattr(cfg, "_attn_implementation", None) == NAME and getattr(cfg, "ragspec_prompt_rows", 0) is None
+    rt = runtime_of(model)
+    return (getattr(cfg, "_attn_implementation", None) == NAME and rt is not None and rt.exact_attention
+            and rt.prompt_rows is None)
 
 
 def register() -> None:
@@ -148,18 +152,10 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, eager_mask)
 
 
-def model_configs(model) -> list:
-    """The model's config and every sub-config its modules read (a text config under a multimodal one), once
-    each: where the attention's `ragspec_*` switches must be set."""
-    configs = [model.config] + [getattr(m, "config", None) for m in model.modules()]
-    return list({id(c): c for c in configs if c is not None}.values())
-
-
 def use_exact_attention(model, prompt_rows: int | None = None, native: bool = False) -> None:
     """Switch a loaded model to this attention; with `prompt_rows`, forwards of more query rows use SDPA; with
     `native`, float32 attention runs in the C++ kernel (`attention_kernel.cpp`)."""
     register()
-    for cfg in model_configs(model):
-        cfg.ragspec_prompt_rows = prompt_rows
-        cfg.ragspec_native_attention = native
+    rt = attach(model)
+    rt.exact_attention, rt.prompt_rows, rt.native_attention = True, prompt_rows, native
     model.set_attn_implementation(NAME)

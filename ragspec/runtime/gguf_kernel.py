@@ -3,8 +3,9 @@
 `prompt_attention.cpp`, the int8 prompt copy's one-pass steps of `int8_rows.cpp`, and the making of that copy
 from the packed blocks at load in `int8_copy.cpp`).
 
-The kernels are compiled with `-march=native` for the CPU they run on (VNNI where it has it, AVX2's
-`maddubs` where not, plain C elsewhere), so the build is keyed by the CPU's flags and the source's hash, kept
+The kernels are compiled with `-march=native` for the CPU they run on: `gguf_kernel.cpp` holds what every CPU runs
+and includes one file per instruction set from `cpu/` (AVX2 with VNNI where it has it, AVX-512, AMX, plain C
+elsewhere), so the build is keyed by the CPU's flags and the source's hash, kept
 under `$RAGSPEC_HOME/kernels/`, and rebuilt only when either changes (about 20 s on 2 cores, shown as it runs:
 each source includes only the ATen headers it uses, not `ATen/ATen.h`, which took a Zen 3's build from 34 to 24 s).
 `-ffp-contract=off` keeps the float sums exactly as written: the batch invariance depends on it.
@@ -25,7 +26,8 @@ from ragspec.runtime.options import runtime_options
 STEP_SOURCES = [Path(__file__).with_name(name)  # what a forward runs: their digest names its measurements
                 for name in ("gguf_kernel.cpp", "attention_kernel.cpp", "prompt_attention.cpp", "int8_rows.cpp")]
 SOURCES = STEP_SOURCES + [Path(__file__).with_name("int8_copy.cpp")]  # and what a load runs: all are built
-HEADERS = [Path(__file__).with_name("kernel_math.h")]  # included by the sources: in the digest, not compiled alone
+HEADERS = [Path(__file__).with_name("kernel_math.h"),  # included by the sources: in the digest, not compiled alone
+           *(Path(__file__).with_name("cpu") / f"{isa}.h" for isa in ("avx2", "avx512", "amx", "plain"))]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fopenmp"]
 log = logging.getLogger(__name__)
 

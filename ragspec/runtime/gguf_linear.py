@@ -227,15 +227,14 @@ def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | str | No
         done[target] = b.gguf_type
     if not done:
         raise RagspecError(f"generator dtype gguf: no linear of {gguf_file} matched the model")
-    model.ragspec_gguf = done  # the t(n) cost key's kernels part: kernels_key, once the MLPs are fused
-    model.ragspec_prompt_copy = "int8" if kind == "int8" else None
+    from ragspec.runtime.model_runtime import attach
+
+    rt = attach(model)
+    rt.gguf = done  # with the kernels' key (kernels_key, once the MLPs are fused): the t(n) cost key
+    rt.prompt_copy = "int8" if kind == "int8" else None
     # the backends mark its prompt forwards, whose attention runs prompt_attention.cpp (but with the bf16 copy,
     # chosen by row count)
-    model.ragspec_prompt_role = kind != "bf16"
-    from ragspec.runtime.exact_attention import model_configs
-
-    for cfg in model_configs(model):  # its prompt rows' attention: exact_attention.py
-        cfg.ragspec_prompt_attention = kind != "bf16"
+    rt.prompt_role = rt.prompt_attention = kind != "bf16"
     return done
 
 

@@ -1,5 +1,5 @@
 // dtype gguf's int8 prompt copy made from the packed blocks at load, in one pass per block of 8 outputs.
-// Built with the GGUF kernels by ragspec/models/gguf_kernel.py; the decode steps never run it, so it is not part of
+// Built with the GGUF kernels by ragspec/runtime/gguf_kernel.py; the decode steps never run it, so it is not part of
 // the digest that names their measurements.
 //
 // Why: the copy is 1 byte a weight (the 1.5B's: 1.3 GB). Kept on disk beside the blocks it doubled what dtype gguf

@@ -191,7 +191,9 @@ def quantize_linears(model: nn.Module, kernel: str | None = None) -> int:
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear and mod is not head]
     for name, mod in targets:
         replace_module(model, name, Int8Linear(mod, kernel))
-    model.ragspec_int8 = kernel if targets else ""
+    from ragspec.runtime.model_runtime import attach
+
+    attach(model).int8 = kernel if targets else ""
     if targets and kernel == "fp32" and not native_int8():
         log.warning("generator dtype int8: this CPU has no int8 units (VNNI/AMX), so int8 runs as exact fp32 GEMMs, "
                     "no faster than float32")

@@ -1,5 +1,5 @@
 // The per-row int8 steps around `torch._int_mm` (runtime/int8_linear.py) in one pass each, for dtype gguf's int8
-// prompt copy. Built with the GGUF kernels by ragspec/models/gguf_kernel.py.
+// prompt copy. Built with the GGUF kernels by ragspec/runtime/gguf_kernel.py.
 //
 // Why: PyTorch runs int8_linear.quantize_rows as five passes over the activations (abs, max, divide, round,
 // clamp) and a sixth to int8, and the product's scaling as three (to float, times the row scale, times the

@@ -1,6 +1,6 @@
-// Attention for dtype gguf's prompt rows (the forwards ragspec/decoding/prompt_mode.py marks, with or without the
+// Attention for dtype gguf's prompt rows (the forwards ragspec/runtime/prompt_mode.py marks, with or without the
 // int8 prompt copy): softmax(q·kᵀ·scale + mask)·v in float32, each row computed from that row alone, as a
-// GEMM-shaped loop. Built with the GGUF kernels by ragspec/models/gguf_kernel.py.
+// GEMM-shaped loop. Built with the GGUF kernels by ragspec/runtime/gguf_kernel.py.
 //
 // Why a second kernel: attention_kernel.cpp computes one query row at a time (a dot product per key, reduced across
 // lanes), right for a step's few rows, and a 1,024-token prompt of the 0.5B spent 22-30 % of its prefill there. A

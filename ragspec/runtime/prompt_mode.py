@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
+from ragspec.runtime.model_runtime import runtime_of
+
 _READING = contextvars.ContextVar("ragspec_reading_prompt", default=False)
 
 
@@ -34,10 +36,12 @@ def prompt_forward(on: bool = True):
 
 def prompt_copy(model) -> str | None:
     """The weights `model` reads prompt positions with when not its step weights ("int8"), else None."""
-    return getattr(model, "ragspec_prompt_copy", None) or None
+    rt = runtime_of(model)
+    return rt.prompt_copy if rt is not None else None
 
 
 def reads_by_role(model) -> bool:
     """Whether `model` reads prompt positions otherwise than steps (a weight copy, or prompt attention of its own):
     then a prompt's last token is read alone, as a step, and a reused prefix keeps only the positions before it."""
-    return bool(getattr(model, "ragspec_prompt_role", False)) or prompt_copy(model) is not None
+    rt = runtime_of(model)
+    return rt is not None and (rt.prompt_role or rt.prompt_copy is not None)

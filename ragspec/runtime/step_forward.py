@@ -26,6 +26,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ragspec.runtime.exact_attention import NAME, WEIGHTS_FLAG, kernel_mask
 from ragspec.runtime.gguf_kernel import load_kernels
 from ragspec.runtime.growing_cache import GrowingLayer
+from ragspec.runtime.model_runtime import attach, runtime_of
 from ragspec.runtime.prompt_mode import reading_prompt
 
 # the output's cache field: `cache` in recent transformers 5.x (5.24 warns on `past_key_values`), that before
@@ -56,7 +57,7 @@ def install(model) -> bool:
     forward.__signature__ = inspect.signature(model.forward)  # generate() reads which arguments it takes
     forward.__doc__ = own.__doc__
     model.forward = forward
-    model.ragspec_step_forward = True
+    attach(model).step_forward = True
     return True
 
 
@@ -70,7 +71,8 @@ def _supported(model) -> bool:
     layers = getattr(inner, "layers", None)
     if cfg is None or layers is None or not isinstance(getattr(inner, "norm", None), FusedRMSNorm):
         return False
-    if getattr(cfg, "_attn_implementation", None) != NAME or not getattr(cfg, "ragspec_native_attention", False):
+    rt = runtime_of(model)
+    if getattr(cfg, "_attn_implementation", None) != NAME or rt is None or not rt.native_attention:
         return False
     if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
         return False
@@ -104,10 +106,10 @@ def step_forward(model, input_ids=None, position_ids=None, attention_mask=None, 
     if (rest or input_ids is None or input_ids.dim() != 2 or input_ids.device.type != "cpu" or not use_cache
             or output_hidden_states or output_attentions or not return_dict or not isinstance(logits_to_keep, int)
             or reading_prompt() or not _cache_ok(cache, len(layers))
-            or cfg._attn_implementation != NAME or not cfg.ragspec_native_attention):
+            or cfg._attn_implementation != NAME or not (rt := runtime_of(model)) or not rt.native_attention):
         return None
     batch, rows = input_ids.shape
-    limit = cfg.ragspec_prompt_rows  # the opt-in bf16 copy reads longer forwards with PyTorch's attention
+    limit = rt.prompt_rows  # the opt-in bf16 copy reads longer forwards with PyTorch's attention
     if batch != 1 or rows == 0 or (limit is not None and rows > limit):
         return None
     if any(vars(layer.self_attn).get(WEIGHTS_FLAG) for layer in layers):  # set as a plain attribute

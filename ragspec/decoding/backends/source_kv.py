@@ -19,6 +19,7 @@ from ragspec.decoding.backends.base import chunks
 from ragspec.decoding.backends.transformers import cache_arg, sliding_window
 from ragspec.decoding.source_cache import SourcePlan, entry_key
 from ragspec.errors import check_cancel
+from ragspec.runtime.model_runtime import runtime_of
 from ragspec.runtime.prompt_mode import prompt_copy
 
 
@@ -69,7 +70,7 @@ def model_key(model) -> str:
             h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
     dev = next(model.parameters()).device.type
     dtype = str(next(model.parameters()).dtype).split(".")[-1]
-    key = f"transformers|{h.hexdigest()[:24]}|{dev}|{dtype}|int8={getattr(model, 'ragspec_int8', '')}"
+    key = f"transformers|{h.hexdigest()[:24]}|{dev}|{dtype}|int8={getattr(runtime_of(model), 'int8', None) or ''}"
     try:
         model._ragspec_kv_key = key
     except AttributeError:

@@ -20,6 +20,7 @@ from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.tree import DraftTree
 from ragspec.errors import check_cancel
 from ragspec.runtime.growing_cache import growing, stand_in_context
+from ragspec.runtime.model_runtime import runtime_of
 from ragspec.runtime.prompt_mode import prompt_forward, reads_by_role
 
 LONG_MS = 1000.0  # t(n) measurement: timed runs of one size that add up to this are enough
@@ -367,10 +368,11 @@ class TransformersBackend:
         dtype = next(model.parameters()).dtype
         threads = torch.get_num_threads() if dev.type == "cpu" else 0
         h = hashlib.sha256(cfg.encode()).hexdigest()[:12]
-        packed = "-packed" if getattr(model, "ragspec_packed_linears", 0) else ""  # other kernels, other costs
-        int8 = f"-int8-{model.ragspec_int8}" if getattr(model, "ragspec_int8", "") else ""  # float32 parameters
-        if getattr(model, "ragspec_gguf", None):  # GGUF blocks, float32 parameters, ragspec's kernels of this build
-            int8 += f"-gguf-{getattr(model, 'ragspec_kernels', '')}"
+        rt = runtime_of(model)
+        packed = "-packed" if rt is not None and rt.packed_linears else ""  # other kernels, other costs
+        int8 = f"-int8-{rt.int8}" if rt is not None and rt.int8 else ""  # float32 parameters
+        if rt is not None and rt.gguf:  # GGUF blocks, float32 parameters, ragspec's kernels of this build
+            int8 += f"-gguf-{rt.kernels}"
         attn = getattr(model.config, "_attn_implementation", None)
         attn = f"-{attn}" if attn and attn != "sdpa" else ""  # ragspec's own attention kernels cost otherwise
         return (f"{getattr(model.config, 'model_type', 'model')}-{h}-{dev.type}-{str(dtype).split('.')[-1]}"
