@@ -3,11 +3,19 @@
     python examples/serve_load.py --index indexes/NAME [--pipeline FILE] [--clients 16] [--requests 64] \
         [--max-tokens 32] [--question Q ...] [--json out.json]
     python examples/serve_load.py --url http://127.0.0.1:8000 --model NAME [--api-key KEY] ...
+    python examples/serve_load.py --index indexes/pydoc-topics --sweep 1,2,4,8,16 --max-tokens 64 \
+        [--pipeline pipelines/fast.yaml] --json sweep.json --plot sweep.png
 
 With --index it starts the server itself on a free 127.0.0.1 port (its queue sized for the clients). Each
 distinct question is first asked alone; then `--requests` streamed chat completions (at most 64) run from
 `--clients` threads (at most 16), and every answer must equal the one asked alone. Reports errors, p50/p95
 latency and time to first token, and throughput (requests/s, tokens/s).
+
+--sweep (with --index): distinct questions (default: the quickstart's 12 and rephrasings) asked one after
+another, then for each client count c the first c asked all at once; before each phase the server forgets
+what earlier asks left (the tree of earlier prompts, the answer memory), so no phase reads another's prompts.
+Per c: aggregate tokens/s at once and one after another (their ratio), p50/p95 latency and first token against
+the same questions asked alone, and how many answers equal the lone ones.
 """
 
 from __future__ import annotations
@@ -108,6 +116,95 @@ def run_load(url: str, model: str, questions: list[str], *, clients: int = 16, r
     }
 
 
+def at_once(client, model: str, questions: list[str], max_tokens: int) -> tuple[list[dict], float]:
+    """Every question asked at the same moment, one thread each: the results in order and the wall time."""
+    results: list = [None] * len(questions)
+    go = threading.Barrier(len(questions))
+
+    def one(i):
+        go.wait()
+        try:
+            results[i] = ask(client, model, questions[i], max_tokens)
+        except Exception as exc:  # noqa: BLE001 - counted and reported
+            results[i] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(questions))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - t0
+
+
+def run_sweep(url: str, model: str, questions: list[str], levels: list[int], max_tokens: int, forget,
+              api_key: str | None = None) -> dict:
+    """Distinct questions one after another, then the first c at once for each c in `levels` (see the module)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "none", max_retries=0, timeout=900)
+    n = min(max(levels), len(questions))
+    forget()
+    lone = []
+    for q in questions[:n]:
+        lone.append(ask(client, model, q, max_tokens))
+        print(f"  alone: {lone[-1]['latency_s']:.2f} s, first token {lone[-1]['ttft_s']:.2f} s", file=sys.stderr)
+    rows = []
+    for c in levels:
+        c = min(c, n)
+        forget()
+        got, wall = at_once(client, model, questions[:c], max_tokens)
+        ok = [r for r in got if "error" not in r]
+        seq_s = sum(r["latency_s"] for r in lone[:c])
+        seq_tokens = sum(r["tokens"] for r in lone[:c])
+        tokens = sum(r["tokens"] for r in ok)
+        row = {
+            "clients": c, "errors": c - len(ok),
+            "identical": sum(r["text"] == lone[i]["text"] for i, r in enumerate(got) if "error" not in r),
+            "wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
+            "one_after_another_s": round(seq_s, 3), "one_after_another_tokens_per_s": round(seq_tokens / seq_s, 2),
+            "throughput_ratio": round((tokens / wall) / (seq_tokens / seq_s), 3),
+            "latency_p50_s": round(percentile([r["latency_s"] for r in ok], 0.5), 3),
+            "latency_p95_s": round(percentile([r["latency_s"] for r in ok], 0.95), 3),
+            "ttft_p50_s": round(percentile([r["ttft_s"] for r in ok], 0.5), 3),
+            "ttft_p95_s": round(percentile([r["ttft_s"] for r in ok], 0.95), 3),
+            "alone_ttft_p50_s": round(percentile([r["ttft_s"] for r in lone[:c]], 0.5), 3),
+            "alone_latency_p50_s": round(percentile([r["latency_s"] for r in lone[:c]], 0.5), 3),
+        }
+        row["ttft_ratio"] = round(row["ttft_p50_s"] / row["alone_ttft_p50_s"], 3) if row["alone_ttft_p50_s"] else None
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    return {"max_tokens": max_tokens, "questions": questions[:n], "levels": rows,
+            "alone": [{k: r[k] for k in ("latency_s", "ttft_s", "tokens")} for r in lone]}
+
+
+def plot_sweep(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["levels"]
+    c = [r["clients"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a.plot(c, [r["tokens_per_s"] for r in rows], "o-", label="at once")
+    a.plot(c, [r["one_after_another_tokens_per_s"] for r in rows], "s--", label="one after another")
+    a.set_xlabel("clients")
+    a.set_ylabel("answer tokens/s (all clients)")
+    a.set_xscale("log", base=2)
+    a.legend()
+    for key, style, label in (("ttft_p50_s", "o-", "first token p50"), ("ttft_p95_s", "o:", "first token p95"),
+                              ("latency_p50_s", "s-", "latency p50"), ("latency_p95_s", "s:", "latency p95")):
+        b.plot(c, [r[key] for r in rows], style, label=label)
+    b.set_xlabel("clients")
+    b.set_ylabel("seconds")
+    b.set_xscale("log", base=2)
+    b.legend(fontsize=8)
+    fig.suptitle(report.get("title", ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--index", help="start a server over this index (else --url)")
@@ -120,9 +217,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--question", action="append", help="repeatable (default: four questions about the test corpus)")
     ap.add_argument("--json", help="write the report here too")
+    ap.add_argument("--sweep", help="client counts, e.g. 1,2,4,8,16 (with --index; see the module)")
+    ap.add_argument("--plot", help="--sweep: write its figure here (.png)")
     args = ap.parse_args(argv)
     if not args.index and not args.url:
         ap.error("give --index or --url")
+    if args.sweep and not args.index:
+        ap.error("--sweep starts its own server: give --index")
     live = None
     url = args.url
     model = args.model
@@ -140,14 +241,35 @@ def main(argv=None) -> int:
 
         model = httpx.get(url.rstrip("/") + "/healthz").json()["model"]
     try:
-        report = run_load(url, model, args.question or DEFAULT_QUESTIONS, clients=args.clients,
-                          requests=args.requests, max_tokens=args.max_tokens, api_key=args.api_key)
+        if args.sweep:
+            # the quickstart's questions and rephrasings (examples/ is on the path when run as a script)
+            from prompt_reuse_stats import REPHRASED
+            from source_stats import QUESTIONS
+
+            from ragspec.cpu_flags import read_cpuinfo
+
+            levels = [int(x) for x in args.sweep.split(",")]
+            report = run_sweep(url, model, args.question or QUESTIONS + REPHRASED, levels, args.max_tokens,
+                               server.pipe.forget, args.api_key)
+            cpu, every = read_cpuinfo()
+            flags = sorted(set(every) & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8"})
+            report.update(model=model, pipeline=args.pipeline or "default", cpu=cpu, cpu_flags=flags,
+                          date=time.strftime("%Y-%m-%d"), command="python examples/serve_load.py "
+                          + " ".join(sys.argv[1:] if argv is None else argv))
+            report["title"] = f"{model}, {report['date']}, {' '.join(flags)}"
+        else:
+            report = run_load(url, model, args.question or DEFAULT_QUESTIONS, clients=args.clients,
+                              requests=args.requests, max_tokens=args.max_tokens, api_key=args.api_key)
     finally:
         if live is not None:
             live.stop()
     print(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.sweep:
+        if args.plot:
+            plot_sweep(report, args.plot)
+        return 0 if all(r["errors"] == 0 and r["identical"] == r["clients"] for r in report["levels"]) else 1
     return 0 if report["errors"] == 0 and report["identical"] == report["completed"] == report["requests"] else 1
 
 

@@ -214,6 +214,10 @@ class GeneratorSettings(Strict):
     source_cache_memory_mb: int = Field(512, ge=0, description="source cache: memory bound (least recently used go)")
     source_cache_disk_mb: int = Field(
         2048, ge=0, description="source cache: disk bound under $RAGSPEC_HOME/kv (0: memory only)")
+    parallel: int = Field(
+        16, ge=1, description="generations that run at once on one model (ragspec serve, ask_many, batch): their "
+        "draft steps share forwards (continuous batching, transformers backend), each answer the same as asked "
+        "alone; more wait for a place; 1: one at a time (docs/serving.md)")
 
 
 class DraftingSettings(Strict):

@@ -4,6 +4,7 @@ max_new_tokens — never emitting past any of them."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -74,13 +75,17 @@ class SpeculativeGenerator:
         self.budget = budget
         self.stats = GenerationStats()
         self.tokens: list[int] = []
+        self._batcher = None  # the StepBatcher this generation's steps go through, if any
 
     def generate(self, prompt_ids: list[int], segments: list[Segment] | None = None) -> str:
         return "".join(d.text for d in self.stream(prompt_ids, segments))
 
     def stream(self, prompt_ids: list[int], segments: list[Segment] | None = None, prefix=None, cancel=None,
-               on_progress=None, sources=None) -> Iterator[Delta]:
-        """`prefix`: a `prefix_cache.PrefixStore` or `PromptTree` to prefill from and to leave this generation's
+               on_progress=None, sources=None, batcher=None) -> Iterator[Delta]:
+        """`batcher`: a `step_batcher.StepBatcher` of this model: the steps share forwards with other
+        generations running on other threads, the prompt is read in turns with their steps (a backend that
+        cannot batch takes the model for the whole generation instead).
+        `prefix`: a `prefix_cache.PrefixStore` or `PromptTree` to prefill from and to leave this generation's
         cache in.
         `sources`: a `source_cache.SourcePlan`: assemble the prompt's cache from cached source pieces.
         `cancel`: a threading.Event; once set, the generation raises `Cancelled` between prefill chunks or
@@ -90,11 +95,15 @@ class SpeculativeGenerator:
         heads = tuple(getattr(self.drafter, "attention_heads", ()) or ())
         verifier = make_backend(self.model, self.sampling, hidden_layer=self.drafter.hidden_layer,
                                 attention_heads=heads,
-                                predictions=bool(getattr(self.drafter, "wants_predictions", False)))
+                                predictions=bool(getattr(self.drafter, "wants_predictions", False)), batcher=batcher)
         if not getattr(verifier, "supports_prefix", True):
             prefix = None  # a prefix store holds transformers caches
+        self._batcher = batcher if getattr(verifier, "batcher", None) is not None else None
+        whole = batcher.exclusive() if batcher is not None and self._batcher is None else contextlib.nullcontext()
         try:
-            yield from self._loop(verifier, prompt_ids, segments, stats, heads, prefix, cancel, on_progress, sources)
+            with whole:  # a backend that cannot batch has the model to itself
+                yield from self._loop(verifier, prompt_ids, segments, stats, heads, prefix, cancel, on_progress,
+                                      sources)
             if prefix is not None:
                 # a model that reads prompts by role read the positions from the prompt's last token on as steps,
                 # where a later prompt holding them reads them as prompt: only those before it are kept
@@ -113,9 +122,15 @@ class SpeculativeGenerator:
         stats.draft_ms += (time.perf_counter() - t0) * 1000
         out = _Emitter(self.tokenizer, self.eos, self.stop_strings)
         t_decode = time.perf_counter()
-        pending: list[tuple[DraftTree, int]] = []  # proposals whose outcome is not yet known
         # greedy, with the root's logits kept by the prefill: the first answer token is known before any step
         known = verifier.known_next()
+        batcher = self._batcher
+        with batcher.decoding_phase() if batcher is not None else contextlib.nullcontext():
+            yield from self._steps(verifier, state, stats, heads, out, known, batcher, cancel)
+        stats.decode_ms = (time.perf_counter() - t_decode) * 1000
+
+    def _steps(self, verifier, state, stats, heads, out, known, batcher, cancel) -> Iterator[Delta]:
+        pending: list[tuple[DraftTree, int]] = []  # proposals whose outcome is not yet known
         while True:
             remaining = self.max_new_tokens - stats.new_tokens
             if remaining <= 0:
@@ -129,12 +144,16 @@ class SpeculativeGenerator:
                 state.attention = verifier.attention_row()
             adaptive = isinstance(self.budget, AdaptiveBudget)
             cap = self.budget.max_nodes if adaptive else int(self.budget)
+            if batcher is not None:  # the step's rows are shared with the other generations stepping
+                cap = batcher.share(cap)
             # the adaptive budget learns from the whole proposal, not just the part verified now: how deep it
             # would have been accepted is read off the tokens that follow (else a small cap could never grow)
             full = self.drafter.propose(state, max(0, min(cap, remaining - 1)))
             first, known = known, None
             early = first is not None and first not in self.eos
             tree = self.budget.select(full) if adaptive else full.truncated(max(0, cap))
+            if batcher is not None and len(tree) > cap:
+                tree = tree.truncated(max(0, cap))
             stats.draft_ms += (time.perf_counter() - t) * 1000
             if early:  # stream it now, before the step's forward: the wait for the first token is the prefill's
                 node = tree.child(-1, first)
@@ -188,7 +207,6 @@ class SpeculativeGenerator:
                 stats.finish_reason = "stop"
             if tail is not None:
                 yield tail
-        stats.decode_ms = (time.perf_counter() - t_decode) * 1000
 
 
 class _Emitter:

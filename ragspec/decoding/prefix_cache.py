@@ -28,6 +28,21 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+class _LastReused:
+    """`last_reused` per thread: generations running together (continuous batching) each read their own."""
+
+    @property
+    def last_reused(self) -> int:
+        return getattr(self._mine(), "n", 0)
+
+    @last_reused.setter
+    def last_reused(self, n: int) -> None:
+        self._mine().n = n
+
+    def _mine(self) -> threading.local:
+        return self.__dict__.setdefault("_local", threading.local())  # one, whichever thread comes first
+
+
 class PrefixCache:
     """Token ids and a DynamicCache holding exactly their keys and values."""
 
@@ -47,7 +62,7 @@ class PrefixCache:
         return out
 
 
-class PrefixStore:
+class PrefixStore(_LastReused):
     """The `capacity` most recently used prefix caches; `lookup` finds the longest shared prefix."""
 
     def __init__(self, capacity: int = 4, min_tokens: int = 1):
@@ -110,7 +125,7 @@ class _Node:
         return sum(t.numel() * t.element_size() for pair in self.kv for t in pair)
 
 
-class PromptTree:
+class PromptTree(_LastReused):
     """Exact reuse of what earlier prompts share, as a radix tree over their token ids (RAGCache's knowledge tree,
     SGLang's radix cache): the system head every ask repeats, then the sources in the order they were sent, then
     the question and the answer. A prompt reads only what follows its longest stored prefix, so a question whose

@@ -217,6 +217,16 @@ class Pipeline(SourceCacheMixin):
         return model_lock(self.model)
 
     @property
+    def step_batcher(self):
+        """The model's `StepBatcher` where generations may run together (`generator.parallel` > 1 and a backend
+        that batches steps), else None."""
+        if self.spec.generator.parallel <= 1:
+            return None
+        from ragspec.decoding.backends import step_batcher
+
+        return step_batcher(self.model, self._gen_lock)
+
+    @property
     def tokenizer(self):
         return self.load()._tokenizer
 
@@ -306,6 +316,13 @@ class Pipeline(SourceCacheMixin):
 
         self.prefix_cache = PrefixStore(capacity) if capacity > 0 else None
         return self
+
+    def forget(self) -> None:
+        """Drop what earlier asks left for later ones (the tree of earlier prompts, the prefix caches, the answer
+        memory): the next ask starts as the first did (benchmarks of distinct questions)."""
+        for store in (self._prompts or None, self.prefix_cache, self._memory):
+            if store is not None:
+                store.clear()
 
     @property
     def prompt_cache_bytes(self) -> int:
@@ -430,7 +447,16 @@ class Pipeline(SourceCacheMixin):
         raise RuntimeError("the stream ended without an answer")  # pragma: no cover
 
     def ask_many(self, questions: Iterable[str], **kwargs) -> list[Answer]:
-        return [self.ask(q, **kwargs) for q in questions]
+        """The answers, in order. Where generations run together (`generator.parallel`), up to that many are
+        asked at once, their steps sharing forwards; each answer is the one `ask` gives alone."""
+        questions = list(questions)
+        workers = min(len(questions), self.spec.generator.parallel)
+        if workers <= 1 or self.step_batcher is None:
+            return [self.ask(q, **kwargs) for q in questions]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers, thread_name_prefix="ragspec-ask") as pool:
+            return list(pool.map(lambda q: self.ask(q, **kwargs), questions))
 
     async def aask(self, question: str, **kwargs) -> Answer:
         return await asyncio.to_thread(self.ask, question, **kwargs)
@@ -484,7 +510,8 @@ class Pipeline(SourceCacheMixin):
 
                 self._memory = AnswerMemory(d.memory)
             params["memory"] = self._memory
-        drafter = make_drafter(d.method, model, tok, **params)
+        with self._gen_lock:  # a drafter may run the model once (PLD+ (a)'s induction heads)
+            drafter = make_drafter(d.method, model, tok, **params)
         # the adaptive budget starts from the acceptance learned on earlier answers (short answers end before
         # a fresh estimate settles); it changes speed only, never the output
         if d.budget == "auto" and self._cost:
@@ -501,13 +528,16 @@ class Pipeline(SourceCacheMixin):
         parts: list[str] = []
         t_start = time.perf_counter() if t_start is None else t_start
         ttft_ms, reused = 0.0, 0
-        with self._gen_lock:
+        batcher = self.step_batcher
+        # with a step batcher, generations run together (their steps share forwards, their prompt chunks take
+        # turns); without one (llama.cpp, the static verifier, generator.parallel 1) one holds the model at a time
+        with batcher.generation(g.parallel) if batcher is not None else self._gen_lock:
             # assembled from the source cache, a prompt's KV is not a whole prefill's: the tree keeps only exact KV
             store = (self._prompt_store(model) if plan is None else None) or self.prefix_cache
             if store is not None:
                 store.last_reused = 0
             for delta in gen.stream(built.ids, built.segments, prefix=store, cancel=cancel, on_progress=on_progress,
-                                    sources=plan):
+                                    sources=plan, batcher=batcher):
                 if not parts and store is not None:  # the first delta comes right after the prefill
                     reused = store.last_reused
                 if not ttft_ms and delta.text:

@@ -136,6 +136,62 @@ def step_forward(model, input_ids=None, position_ids=None, attention_mask=None, 
     return _output(model.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h), cache)
 
 
+MAX_ROWS = 256  # rows of one fused forward of several generations: a draft tree's largest, below PROMPT_ROWS
+
+
+def step_forward_many(model, parts: list[tuple]) -> list[torch.Tensor] | None:
+    """One forward for the draft steps of several generations: `parts` holds, per generation, (input_ids [1, r],
+    position_ids [1, r], its 4-D mask or None, its cache); returns each part's logits [r, vocab], its cache
+    extended as its own forward would, or None where `step_forward` would not run every part alone.
+
+    The rows of all parts share each linear, norm and MLP call (row-independent kernels: a row's bits do not
+    depend on the other rows), while each part's attention reads only its own cache with its own mask, in the
+    same kernel as alone. So each generation's logits are the bits of its forward alone (`continuous batching`
+    in docs/serving.md; tests/test_batched_steps.py compares them)."""
+    inner = model.model
+    layers = inner.layers
+    cfg = model.config
+    rt = runtime_of(model)
+    if (not parts or reading_prompt() or rt is None or not rt.step_forward or not rt.native_attention
+            or cfg._attn_implementation != NAME or any(vars(x.self_attn).get(WEIGHTS_FLAG) for x in layers)):
+        return None
+    sizes, masks = [], []
+    for ids, _pos, mask, cache in parts:
+        if ids.dim() != 2 or ids.shape[0] != 1 or ids.device.type != "cpu" or not _cache_ok(cache, len(layers)):
+            return None
+        rows = ids.shape[1]
+        m = _mask(mask, rows, cache.get_seq_length() + rows)
+        if rows == 0 or m is None:
+            return None
+        sizes.append(rows)
+        masks.append(m)
+    total = sum(sizes)
+    if total > MAX_ROWS or (rt.prompt_rows is not None and total > rt.prompt_rows):
+        return None
+    ops = load_kernels()
+    ids = torch.cat([p[0] for p in parts], dim=1)
+    position_ids = torch.cat([p[1] for p in parts], dim=1)
+    h = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(h, position_ids)
+    half = cos.shape[-1] // 2
+    cos, sin = cos[:, :, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, :, None]
+    for layer in layers:
+        attn = layer.self_attn
+        q, k, v = _attention_inputs(attn, layer.input_layernorm.forward(h), cos, sin)
+        outs, at = [], 0
+        for (_, _, _, cache), rows, mask in zip(parts, sizes, masks):
+            kc, vc = cache.layers[attn.layer_idx].update(k[:, :, at : at + rows].contiguous(),
+                                                        v[:, :, at : at + rows].contiguous())
+            o = ops.exact_attention(q[:, :, at : at + rows].contiguous(), kc, vc, mask, float(attn.scaling))
+            outs.append(o.reshape(1, rows, -1))
+            at += rows
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        h = h + attn.o_proj.forward(o.contiguous())
+        h = h + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
+    logits = model.lm_head(inner.norm.forward(h))[0]
+    return list(logits.split(sizes))
+
+
 def _output(logits: torch.Tensor, cache):
     return CausalLMOutputWithPast(logits=logits, **{_CACHE_FIELD: cache})
 

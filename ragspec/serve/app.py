@@ -1,11 +1,13 @@
 """`ragspec serve`: an OpenAI-compatible HTTP API and a web page over one pipeline (FastAPI + uvicorn).
 
-- One generator per model, shared by every request; generation queues on the model's lock (as in
-  `Pipeline`), retrieval runs concurrently on the request's worker thread.
-- Admission: at most 1 + `serve.queue_size` generation requests at once (one generating, the rest waiting);
+- One model, shared by every request: up to `generator.parallel` generations run at once, their draft steps
+  sharing forwards and their prompts read in chunks between steps (`decoding/step_batcher.py`: continuous
+  batching, each answer the same as asked alone); on a backend that cannot batch (llama.cpp, the static
+  verifier) generation queues on the model's lock. Retrieval runs concurrently on the request's worker thread.
+- Admission: at most 1 + `serve.queue_size` generation requests at once (generating or waiting for a place);
   more get 503 with `Retry-After`. A request's slot is freed when its worker thread is done.
 - Cancellation: a client that goes away (or a request past `serve.timeout_s`) sets a flag the worker checks
-  between steps; it then closes the pipeline's generator, which releases the model lock at once.
+  between steps; it then closes the pipeline's generator, which frees its place, rows and KV at once.
 - Prefix reuse: the pipeline keeps the KV caches of recent generations (`serve.prefix_cache`), so a
   follow-up turn over the same sources prefills only its new turn.
 - Security: no endpoint reads a path named by the request (documents by index id only); with an API key set,
@@ -135,6 +137,14 @@ class Server:
         self.executor = ThreadPoolExecutor(max_workers=self.capacity, thread_name_prefix="ragspec-gen")
         if self.settings.prefix_cache and pipeline.prefix_cache is None:
             pipeline.enable_prefix_cache(self.settings.prefix_cache)
+
+    @property
+    def generating(self) -> int:
+        """Generations running now (their steps share forwards), 0 before the model is loaded."""
+        if getattr(self.pipe, "_model", None) is None:
+            return 0
+        batcher = self.pipe.step_batcher
+        return batcher.generations if batcher is not None else min(self.admitted, 1)
 
     @property
     def index_name(self) -> str:
@@ -390,6 +400,7 @@ def create_app(server: Server) -> FastAPI:
     async def healthz():
         return {"status": "ok", "model": server.model_name, "index": server.index_name,
                 "queued": server.admitted, "capacity": server.capacity, "cancelled": server.cancelled,
+                "generating": server.generating,
                 "prompt_cache_mb": round(server.pipe.prompt_cache_bytes / 2 ** 20, 1), "auth": server.api_key is not None}
 
     # -- models, documents, search ---------------------------------------------------------------------------

@@ -5,6 +5,8 @@ llama-cpp-python). The loop asks `make_backend` for one per generation; nothing 
 from __future__ import annotations
 
 import fcntl
+import threading
+import weakref
 from pathlib import Path
 
 from ragspec.decoding.backends.base import Backend, StepResult
@@ -30,17 +32,41 @@ def backend_class(model):
     return StaticBackend if wanted(model) else TransformersBackend
 
 
-def make_backend(model, sampling, hidden_layer=None, attention_heads=(), predictions=False) -> Backend:
+_batchers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_batchers_guard = threading.Lock()
+
+
+def step_batcher(model, lock: threading.Lock | None = None):
+    """The model's `StepBatcher` (one per model object, made on first call with the model's `lock`) where its
+    backend can batch steps across generations (the dynamic transformers backend), else None (llama.cpp, the
+    static verifier): their generations keep the model to themselves. Without `lock`: the existing one, if any."""
+    with _batchers_guard:
+        found = _batchers.get(model)
+        if found is not None or lock is None or backend_class(model).__name__ != "TransformersBackend":
+            return found
+        from ragspec.decoding.backends.transformers import TransformersBackend
+        from ragspec.decoding.step_batcher import StepBatcher
+
+        ref = weakref.ref(model)  # the batcher must not keep its model alive
+        made = _batchers[model] = StepBatcher(lock, lambda payloads: TransformersBackend.run_steps(ref(), payloads))
+        return made
+
+
+def make_backend(model, sampling, hidden_layer=None, attention_heads=(), predictions=False,
+                 batcher=None) -> Backend:
     """A fresh verifier for one generation on `model`. `predictions`: return every row's argmax per step.
-    PLD+ drafters (hidden states, attention rows) run on the dynamic transformers backend."""
+    PLD+ drafters (hidden states, attention rows) run on the dynamic transformers backend. `batcher`: a
+    `step_batcher.StepBatcher`, taken by the backend whose steps can share forwards (the dynamic transformers
+    one, without PLD+'s hidden states or attention rows); the others run without it."""
     cls = backend_class(model)
     if hidden_layer is not None or attention_heads:
         from ragspec.decoding.backends.transformers import TransformersBackend
 
         cls = TransformersBackend if cls.__name__ == "StaticBackend" else cls
-    if predictions:
-        return cls(model, sampling, hidden_layer=hidden_layer, attention_heads=attention_heads, predictions=True)
-    return cls(model, sampling, hidden_layer=hidden_layer, attention_heads=attention_heads)
+    kw = {"predictions": True} if predictions else {}
+    if batcher is not None and cls.__name__ == "TransformersBackend" and hidden_layer is None and not attention_heads:
+        kw["batcher"] = batcher
+    return cls(model, sampling, hidden_layer=hidden_layer, attention_heads=attention_heads, **kw)
 
 
 def describe(model) -> str:

@@ -6,6 +6,7 @@ rows move). It alone offers hidden states (PLD+ h) and attention rows (PLD+ a).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import time
@@ -73,6 +74,7 @@ class TransformersBackend:
     hidden_layer: int | None = None  # keep this layer's hidden states of accepted positions (PLD+ h)
     attention_heads: tuple = ()  # (layer, head) pairs whose attention row of the last accepted token PLD+ (a) reads
     predictions: bool = False  # return every row's argmax (StepResult.predictions): lookahead's Jacobi window
+    batcher: object = None  # a `step_batcher.StepBatcher`: steps batched with other generations', turns for the rest
 
     def __post_init__(self):
         self.device = next(self.model.parameters()).device
@@ -129,14 +131,15 @@ class TransformersBackend:
             if why:
                 sources.fallback = why
             elif self.cached < covered:  # a prefix reuse that covers every piece is exact: it wins
-                self.cache, self._root_logits = assemble(self.model, prompt_ids, sources, cancel, on_progress)
+                with self._turn():
+                    self.cache, self._root_logits = assemble(self.model, prompt_ids, sources, cancel, on_progress)
                 self.cached = len(prompt_ids)
                 return (time.perf_counter() - t) * 1000
         total = split - self.cached
         for a, b in chunks(self.cached, split):
             check_cancel(cancel)
             ids = torch.tensor([prompt_ids[a:b]], device=self.device)
-            with prompt_forward(b < len(prompt_ids)):  # every position but the root's
+            with self._turn(), prompt_forward(b < len(prompt_ids)):  # every position but the root's
                 out = self.model(
                     input_ids=ids,
                     **cache_arg(self.model, self.cache),
@@ -154,14 +157,16 @@ class TransformersBackend:
         check_cancel(cancel)
         if root_alone:
             ids = torch.tensor([prompt_ids[split:]], device=self.device)
-            out = self.model(input_ids=ids, **cache_arg(self.model, self.cache), use_cache=True, logits_to_keep=1)
+            with self._turn():
+                out = self.model(input_ids=ids, **cache_arg(self.model, self.cache), use_cache=True,
+                                 logits_to_keep=1)
             self._root_logits, self.cached = out.logits[0, -1], len(prompt_ids)
         elif split < len(prompt_ids) - 1:
             from ragspec.decoding.backends.attention import AttentionCapture, eager_attention
 
             self._capture = AttentionCapture(self.model, list(self.attention_heads))
             ids = torch.tensor([prompt_ids[split : split + 1]], device=self.device)
-            with eager_attention(self.model, keep_exact=True), prompt_forward():
+            with self._turn(), eager_attention(self.model, keep_exact=True), prompt_forward():
                 out = self.model(input_ids=ids, position_ids=torch.tensor([[split]], device=self.device),
                                  **cache_arg(self.model, self.cache), use_cache=True, logits_to_keep=1,
                                  output_hidden_states=self.hidden_layer is not None)
@@ -239,11 +244,17 @@ class TransformersBackend:
             from ragspec.decoding.backends.attention import eager_attention
 
             self._capture.reset()
-            with eager_attention(self.model, keep_exact=True):
+            with self._turn(), eager_attention(self.model, keep_exact=True):
                 out = self._forward(ids, pos, mask)
+            logits = out.logits[0]
+        elif self.batcher is not None and self.hidden_layer is None:  # batched with other generations' steps
+            out = None
+            logits = self.batcher.step(ids.shape[1], lambda: self._forward(ids, pos, mask).logits[0],
+                                       (ids, pos, mask, self.cache))
         else:
-            out = self._forward(ids, pos, mask)
-        logits = out.logits[0]
+            with self._turn():
+                out = self._forward(ids, pos, mask)
+            logits = out.logits[0]
         if first:
             logits = torch.cat([self._root_logits[None].to(logits.dtype), logits])
         return logits, out, first, t1
@@ -257,6 +268,19 @@ class TransformersBackend:
             layer.keys, layer.values = layer.keys[:, :, :base], layer.values[:, :, :base]
         self._root_logits = keep
         return logits
+
+    def _turn(self):
+        """The model to this generation alone for one forward, where it shares the model with others."""
+        return self.batcher.exclusive() if self.batcher is not None else contextlib.nullcontext()
+
+    @staticmethod
+    def run_steps(model, payloads: list[tuple]):
+        """Several generations' steps ((ids, positions, mask, cache) each) as one forward: each one's logits
+        [rows, vocab], or None where they cannot share one (`StepBatcher`'s `run_many`)."""
+        from ragspec.runtime.step_forward import step_forward_many
+
+        with torch.inference_mode():
+            return step_forward_many(model, payloads)
 
     def _forward(self, ids, pos, mask):
         return self.model(

@@ -87,9 +87,10 @@ def make_drafter(name: str, model=None, tokenizer=None, **params) -> Drafter:
 def bigram_source(model, params: dict):
     """ngrammys' model bigram for a loaded model: the backend's batched row computation and the per-model
     cache file ($RAGSPEC_HOME/bigram/<cost key>-<extend>-k<k>-w<w>.sqlite)."""
+    import contextlib
     import inspect as _inspect
 
-    from ragspec.decoding.backends import backend_class, is_llama
+    from ragspec.decoding.backends import backend_class, is_llama, step_batcher
     from ragspec.paths import ragspec_home
 
     if is_llama(model):
@@ -101,7 +102,13 @@ def bigram_source(model, params: dict):
     extend = params.get("extend", defaults["extend"])
     w = int(params.get("w", defaults["w"])) if extend == "greedy" else 1
     path = ragspec_home() / "bigram" / f"{backend.cost_key(model)}-{extend}-k{k}-w{w}.sqlite"
-    return (lambda tokens, k_, w_: backend.bigram_rows(model, tokens, k_, w_)), path
+
+    def rows(tokens, k_, w_):
+        batcher = step_batcher(model)  # generations share the model: its forwards take turns
+        with batcher.exclusive() if batcher is not None else contextlib.nullcontext():
+            return backend.bigram_rows(model, tokens, k_, w_)
+
+    return rows, path
 
 
 __all__ = [

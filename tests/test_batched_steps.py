@@ -1,0 +1,205 @@
+"""Continuous batching (`decoding/step_batcher.py`, `runtime/step_forward.step_forward_many`): generations that
+run together share their steps' forwards, and each answer stays the one it gets alone, token for token."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from ragspec.decoding.backends.transformers import TransformersBackend, cache_arg
+from ragspec.decoding.budget import AdaptiveBudget, CostModel
+from ragspec.decoding.drafters import make_drafter
+from ragspec.decoding.generate import SpeculativeGenerator
+from ragspec.decoding.sampling import SamplingSettings
+from ragspec.decoding.step_batcher import StepBatcher
+from ragspec.errors import Cancelled
+from ragspec.models.registry import installed
+from ragspec.runtime.growing_cache import growing
+from ragspec.runtime.step_forward import step_forward, step_forward_many
+
+SMOL = "smollm2-135m-instruct"
+FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
+METHODS = ["none", "pld", "trie", "suffix", "lookahead", "ngrammys", "auto", "pldplus-h"]
+
+pytestmark = pytest.mark.skipif(not installed(SMOL), reason="SmolLM2's weight package is not installed")
+
+
+@pytest.fixture(scope="module")
+def smol_gguf():
+    from ragspec.models.generator import load_generator
+
+    return load_generator(SMOL, dtype="gguf")
+
+
+@pytest.fixture(scope="module")
+def prompts(smol_gguf):
+    from greedy_cases import PASSAGES, QUESTIONS, chat_prompt
+
+    _, tok = smol_gguf
+    return [chat_prompt(tok, PASSAGES[p], q) for q, p in QUESTIONS]
+
+
+def batcher_of(model) -> StepBatcher:
+    return StepBatcher(threading.Lock(), lambda payloads: TransformersBackend.run_steps(model, payloads))
+
+
+def together(jobs) -> list:
+    """Run the callables on threads at once; their results in order (an exception is returned, not raised)."""
+    out: list = [None] * len(jobs)
+
+    def run(i):
+        try:
+            out[i] = jobs[i]()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def _prefilled(model, n: int, seed: int):
+    ids = torch.randint(100, 20000, (1, n), generator=torch.Generator().manual_seed(seed))
+    cache = growing(DynamicCache(config=model.config))
+    with torch.inference_mode():
+        type(model).forward(model, input_ids=ids, **cache_arg(model, cache), use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def _copy(cache, model):
+    twin = growing(DynamicCache(config=model.config))
+    for mine, theirs in zip(twin.layers, cache.layers):
+        mine.update(theirs.keys.clone(), theirs.values.clone())
+    return twin
+
+
+def test_one_forward_of_several_generations_gives_each_its_own_bits(smol_gguf):
+    """Three generations' steps (a tree, one token, a chain) over caches of different lengths, in one forward:
+    each part's logits and cache are the bits of its forward alone."""
+    model, _ = smol_gguf
+    parts, alone = [], []
+    for n, rows, seed in ((120, 9, 1), (300, 1, 2), (41, 4, 3)):
+        cache = _prefilled(model, n, seed)
+        ids = torch.randint(100, 20000, (1, rows), generator=torch.Generator().manual_seed(seed + 10))
+        pos = torch.arange(n, n + rows)[None]
+        visible = torch.ones(1, 1, rows, n + rows, dtype=torch.bool).tril_(n)
+        if rows > 4:  # a tree: the second half are siblings under the first row
+            visible[0, 0, rows // 2 :, n + 1 : n + rows] = torch.eye(rows, dtype=torch.bool)[rows // 2 :, 1:]
+        mask = torch.zeros(visible.shape).masked_fill_(~visible, torch.finfo(torch.float32).min)
+        mine = _copy(cache, model)
+        with torch.inference_mode():
+            out = step_forward(model, input_ids=ids, position_ids=pos, attention_mask=mask, cache=mine)
+        alone.append((out.logits[0], mine))
+        parts.append((ids, pos, mask, cache))
+    with torch.inference_mode():
+        logits = step_forward_many(model, parts)
+    assert logits is not None
+    for (ref, ref_cache), got, (_, _, _, cache) in zip(alone, logits, parts):
+        assert torch.equal(got, ref)
+        for a, b in zip(cache.layers, ref_cache.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_answers_together_are_the_answers_alone(smol_gguf, prompts, method):
+    model, tok = smol_gguf
+
+    def generation(prompt, batcher=None):
+        gen = SpeculativeGenerator(model, tok, drafter=make_drafter(method, model, tok), max_new_tokens=40,
+                                   budget=AdaptiveBudget(FLAT))
+        "".join(d.text for d in gen.stream(prompt, batcher=batcher))
+        return gen.tokens
+
+    alone = [generation(p) for p in prompts]
+    batcher = batcher_of(model)
+    got = together([lambda p=p: generation(p, batcher) for p in prompts])
+    assert got == alone, method
+    if method != "pldplus-h":  # PLD+ reads hidden states: its generations take the model in turn
+        assert batcher.batches > 0, "no step ran batched"
+    assert batcher.generations == batcher.decoding == 0
+
+
+def test_sampled_answers_keep_each_requests_own_stream(smol_gguf, prompts):
+    """temperature > 0: each generation samples from its own seeded generator, so together it draws the same
+    tokens as alone (its distribution is the one it has alone)."""
+    model, tok = smol_gguf
+
+    def generation(prompt, seed, batcher=None):
+        gen = SpeculativeGenerator(model, tok, drafter=make_drafter("suffix", model, tok),
+                                   sampling=SamplingSettings(temperature=0.9, top_p=0.95, seed=seed),
+                                   max_new_tokens=32)
+        "".join(d.text for d in gen.stream(prompt, batcher=batcher))
+        return gen.tokens
+
+    alone = [generation(p, s) for s, p in enumerate(prompts)]
+    batcher = batcher_of(model)
+    assert together([lambda p=p, s=s: generation(p, s, batcher) for s, p in enumerate(prompts)]) == alone
+    assert batcher.batches > 0
+
+
+def test_a_cancelled_generation_leaves_at_once_and_the_others_go_on(smol_gguf, prompts):
+    model, tok = smol_gguf
+    batcher = batcher_of(model)
+    cancel = threading.Event()
+    ref = SpeculativeGenerator(model, tok, max_new_tokens=40)
+    ref.generate(prompts[1])
+
+    def cancelled():
+        gen = SpeculativeGenerator(model, tok, max_new_tokens=200, eos_token_ids=[])
+        for i, _ in enumerate(gen.stream(prompts[0], batcher=batcher, cancel=cancel)):
+            if i == 3:
+                cancel.set()
+        return gen.tokens
+
+    def other():
+        gen = SpeculativeGenerator(model, tok, max_new_tokens=40)
+        "".join(d.text for d in gen.stream(prompts[1], batcher=batcher))
+        return gen.tokens
+
+    first, second = together([cancelled, other])
+    assert isinstance(first, Cancelled)
+    assert second == ref.tokens
+    assert batcher.generations == batcher.decoding == 0 and not batcher._steps
+
+
+def test_a_long_prompt_read_mid_stream_does_not_stop_the_other_stream(smol_gguf, prompts):
+    """A prompt of four chunks arriving while another answer streams is read a chunk per turn: the running
+    stream gets a step between every two of its chunks (the gap between its tokens stays one chunk's time)."""
+    model, tok = smol_gguf
+    batcher = batcher_of(model)
+    events: list[str] = []
+    started = threading.Event()
+    long_prompt = (prompts[2] * 30)[:1800]
+    ref = SpeculativeGenerator(model, tok, max_new_tokens=8)
+    ref.generate(long_prompt)
+
+    def streaming():
+        gen = SpeculativeGenerator(model, tok, max_new_tokens=400, eos_token_ids=[])
+        for _ in gen.stream(prompts[0], batcher=batcher):
+            events.append("token")
+            started.set()
+            if "done" in events:
+                break
+        return gen.tokens
+
+    def long():
+        started.wait(60)
+        gen = SpeculativeGenerator(model, tok, max_new_tokens=8)
+        "".join(d.text for d in gen.stream(long_prompt, batcher=batcher,
+                                           on_progress=lambda done, total: events.append("chunk")))
+        events.append("done")
+        return gen.tokens
+
+    _, got = together([streaming, long])
+    assert got == ref.tokens
+    chunks = [i for i, e in enumerate(events) if e == "chunk"]
+    assert len(chunks) == 4, events
+    for a, b in itertools.pairwise(chunks):
+        assert "token" in events[a:b], events
