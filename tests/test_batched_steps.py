@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import pytest
 import torch
@@ -203,3 +204,50 @@ def test_a_long_prompt_read_mid_stream_does_not_stop_the_other_stream(smol_gguf,
     assert len(chunks) == 4, events
     for a, b in itertools.pairwise(chunks):
         assert "token" in events[a:b], events
+
+
+def test_a_server_answers_distinct_questions_at_once_as_alone(tmp_path, embedder, smol_gguf):
+    """examples/serve_load.py --sweep, cut down: a real server, its four distinct questions alone and then all at
+    once; every answer the same, steps batched, and /healthz counts the generations while they run."""
+    import importlib.util
+    from pathlib import Path
+
+    import httpx
+    from serve_util import SPEC, build_test_index, make_pipeline
+
+    from ragspec.serve.app import BackgroundServer, Server, create_app
+    from ragspec.settings import ServeSettings
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("serve_load", path)
+    load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load)
+    pipe = make_pipeline(build_test_index(tmp_path, embedder), embedder, *smol_gguf,
+                         {**SPEC, "drafting": {"method": "suffix", "budget": 16}})
+    srv = BackgroundServer(create_app(Server(pipe, ServeSettings(queue_size=8), model_name="smol")))
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.append(httpx.get(srv.url + "/healthz").json()["generating"])
+            stop.wait(0.05)
+
+    watcher = threading.Thread(target=watch)
+    try:
+        watcher.start()
+        report = load.run_sweep(srv.url, "smol", load.DEFAULT_QUESTIONS, [4], 24, pipe.forget)
+        stop.set()
+        watcher.join()
+        for _ in range(100):  # the last stream has ended; its worker leaves its place a moment later
+            if httpx.get(srv.url + "/healthz").json()["generating"] == 0:
+                break
+            time.sleep(0.05)
+        after = httpx.get(srv.url + "/healthz").json()["generating"]
+    finally:
+        stop.set()
+        srv.stop()
+    (row,) = report["levels"]
+    assert row["errors"] == 0 and row["identical"] == 4, row
+    assert pipe.step_batcher.batches > 0
+    assert max(seen) >= 2 and after == 0

@@ -100,6 +100,9 @@ def test_llm_with_an_index_equals_the_pipeline_answer():
     assert llm.invoke(QUESTION, config={"callbacks": [cb]}) == expected.text
     assert "".join(cb.tokens) == expected.text and len(cb.tokens) > 1
     assert llm.batch([QUESTION, QUESTION]) == [expected.text, expected.text]
+    others = ["Where does the Danube rise?", "How long should the dough be kneaded?"]
+    alone = [pipe.ask(q).text for q in others]
+    assert llm.batch([QUESTION, *others]) == [expected.text, *alone]  # run together, each as alone
     assert asyncio.run(llm.ainvoke(QUESTION)) == expected.text
 
 

@@ -52,6 +52,17 @@ class CostModel:
         return {"sizes": self.sizes, "ms": [round(x, 3) for x in self.ms]}
 
 
+KNEE = 1.5  # a step batch of several generations holds the rows a forward reads for about this many t(1)
+
+
+def step_rows(cost: CostModel, knee: float = KNEE) -> int:
+    """The rows one forward affords when several generations share it: the most measured rows n whose t(n) stays
+    within `knee` × t(1) (where more rows stop riding on the weights' read; 8 for the 0.5B and the 1.5B on the
+    Xeon)."""
+    limit = knee * cost.time(1)
+    return max([n for n, ms in zip(cost.sizes, cost.ms) if ms <= limit], default=1)
+
+
 def monotone(ms: list[float]) -> list[float]:
     """A forward of more tokens never costs less: a timing above a later (larger) one is noise from a busy
     machine, so each t(n) becomes the least time measured at n or beyond."""

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from ragspec.decoding.backends import make_backend
-from ragspec.decoding.budget import AdaptiveBudget, settle
+from ragspec.decoding.budget import AdaptiveBudget, settle, step_rows
 from ragspec.decoding.drafters.base import Drafter, DraftState, NoDraft, Segment
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.stream import IncrementalDecoder
@@ -145,7 +145,7 @@ class SpeculativeGenerator:
             adaptive = isinstance(self.budget, AdaptiveBudget)
             cap = self.budget.max_nodes if adaptive else int(self.budget)
             if batcher is not None:  # the step's rows are shared with the other generations stepping
-                cap = batcher.share(cap)
+                cap = batcher.share(cap, step_rows(self.budget.cost) if adaptive else cap + 1)
             # the adaptive budget learns from the whole proposal, not just the part verified now: how deep it
             # would have been accepted is read off the tokens that follow (else a small cap could never grow)
             full = self.drafter.propose(state, max(0, min(cap, remaining - 1)))

@@ -1,22 +1,26 @@
 """Continuous batching: the draft steps of several generations of one model share a forward.
 
-Why: a CPU step reads every weight once whatever its row count, so rows are cheap together (t(16) is 2–3× t(1)
-on AVX-512 machines); one user's tree does not always fill a step, and a server with eight users asking at
-once would otherwise run eight one-row steps where one eight-row step costs little more. ragspec's CPU kernels
-are row-independent (a row's bits do not depend on the other rows of a forward), so each generation's logits,
-and so its answer, are the same bits as when it runs alone.
+Why: a CPU step reads every weight once whatever its row count, so rows are cheap together (eight one-token
+steps of the 0.5B in one forward take 1.9× one alone on the Xeon, not 8×); a server with eight users asking at
+once would otherwise run eight steps where one costs little more. ragspec's CPU kernels are row-independent (a
+row's bits do not depend on the other rows of a forward), so each generation's logits, and so its answer, are
+the same bits as when it runs alone.
 
 How: every generation keeps its own KV cache, drafter and tree, on its own thread. A step hands its rows to
-`step`; the first waiting thread that finds the model free and the batch ready (every generation past its prefill
-has handed in a step, or `GATHER_S` has passed since the first did) runs all waiting steps as one forward (up to
-`MAX_ROWS` rows) and hands each its logits. A prompt is read in chunks, one chunk per turn under `exclusive()`,
-and a chunk's turn and a step batch's turn alternate: streams already running keep streaming while a new prompt
-is read (the gap between their tokens is about one chunk's time). Anything else that uses the model (a drafter
-calling it, a cache assembled from source pieces, a prompt built with the tokenizer) holds the model's lock,
-which every forward here holds too.
+`step`; the waiting steps run as one forward (up to `MAX_ROWS` rows) and each gets its logits. A prompt is read
+in chunks, one chunk per turn under `exclusive()`, and a chunk's turn and a step batch's turn alternate:
+streams already running keep streaming while a new prompt is read (the gap between their tokens is about one
+chunk's time). Anything else that uses the model (a drafter calling it, a cache assembled from source pieces,
+a retrieval's embedder) takes a turn too, or holds the model's lock, which every forward here holds.
 
-Policy for the draft budget: a step affords the rows one generation alone would draft (the measured t(n) sets
-that); with k generations stepping, each drafts at most `share(cap)` = cap // k nodes, ranked as before.
+A forward starts only once every running generation waits here (or `STRAGGLER_S` has passed): on a CPU whose
+cores all run the forward, a generation drafting, accepting or streaming beside it would slow every core's share
+of it. So the generations' own work runs between forwards, never during one.
+
+Policy for the draft budget: with k generations stepping, a step affords the rows R whose forward stays within
+1.5 t(1) (`budget.step_rows`, from the measured t(n): 8 for the 0.5B and the 1.5B on the Xeon), shared equally:
+each drafts at most R // k - 1 nodes (its best-ranked), so eight generations take plain one-token steps together.
+Alone, a generation drafts what its own budget says.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-GATHER_S = 0.004  # how long a step waits for the other generations' steps before its batch runs without them
+STRAGGLER_S = 0.02  # the longest a forward waits for a generation still busy with its own work
 MAX_ROWS = 256  # rows of one batched forward (a draft tree's largest); more waiting rows go to the next batch
 
 
@@ -55,9 +59,11 @@ class StepBatcher:
         self._cond = threading.Condition()
         self._busy = False  # a forward (batch or exclusive turn) is running
         self._steps: list[_Step] = []
-        self._turns: deque[object] = deque()  # exclusive turns waiting, first come first served
+        self._turns: deque[tuple[object, float]] = deque()  # exclusive turns waiting (ticket, since), in order
         self._steps_next = True  # after an exclusive turn, waiting steps go first (and the reverse)
-        self.decoding = 0  # generations past their prefill: how many steps a full batch holds
+        self._mine = threading.local()  # .generation: this thread runs a generation here
+        self.waiting = 0  # generations' threads waiting here (for a step or a turn)
+        self.decoding = 0  # generations past their prefill: how many share a step's rows
         self.generations = 0  # generations running (prefill included)
         self.batches = 0  # batched forwards run
         self.batched_rows = 0
@@ -65,22 +71,24 @@ class StepBatcher:
     # -- who is running ------------------------------------------------------------------------------------
     @contextmanager
     def generation(self, limit: int = 1 << 30):
-        """Around one generation: counted in `generations` (the server's /healthz); it waits while `limit`
-        generations run."""
+        """Around one generation (on its own thread): counted in `generations` (the server's /healthz); it waits
+        while `limit` generations run."""
         with self._cond:
             while self.generations >= limit:
                 self._cond.wait(0.05)
             self.generations += 1
+        self._mine.generation = True
         try:
             yield
         finally:
+            self._mine.generation = False
             with self._cond:
                 self.generations -= 1
-                self._cond.notify_all()
+                self._cond.notify_all()  # a forward waiting for this generation need not
 
     @contextmanager
     def decoding_phase(self):
-        """Around a generation's steps (after its prefill): the batch waits for its step."""
+        """Around a generation's steps (after its prefill): its share of a step's rows."""
         with self._cond:
             self.decoding += 1
         try:
@@ -88,12 +96,12 @@ class StepBatcher:
         finally:
             with self._cond:
                 self.decoding -= 1
-                self._cond.notify_all()  # a batch waiting for this generation's step need not
 
-    def share(self, cap: int) -> int:
-        """The nodes one generation may draft this step when `cap` is what it would draft alone."""
+    def share(self, cap: int, rows: int) -> int:
+        """The nodes one generation may draft this step: `cap` (what it drafts alone) when it steps alone, else its
+        equal part of the `rows` one forward affords (`budget.step_rows`), its root included."""
         k = max(1, self.decoding)
-        return cap if k == 1 else max(0, cap // k)
+        return cap if k == 1 else max(0, min(cap, rows // k - 1))
 
     # -- turns ---------------------------------------------------------------------------------------------
     @contextmanager
@@ -101,9 +109,10 @@ class StepBatcher:
         """The model to one caller (a prompt chunk, a drafter's model call), taking turns with step batches."""
         ticket = object()
         with self._cond:
-            self._turns.append(ticket)
-            while self._busy or self._turns[0] is not ticket or (self._steps_next and self._steps_ready()):
-                self._cond.wait(self._wait_s())
+            self._turns.append((ticket, time.monotonic()))
+            with self._waiting():
+                while not self._turn_is(ticket):
+                    self._cond.wait(self._wait_s())
             self._turns.popleft()
             self._busy = True
         try:
@@ -121,34 +130,62 @@ class StepBatcher:
         with self._cond:
             self._steps.append(me)
             self._cond.notify_all()
-            while not me.done:
-                if not self._busy and self._steps_ready() and (self._steps_next or not self._turns):
-                    batch = self._take()
-                    self._busy = True
-                    break
-                self._cond.wait(self._wait_s())
-            else:
-                return self._result(me)
+            with self._waiting():
+                while not me.done:
+                    if self._steps_go():
+                        batch = self._take()
+                        self._busy = True
+                        break
+                    self._cond.wait(self._wait_s())
+                else:
+                    return self._result(me)
         try:
             self._run(batch)
         finally:
             with self._cond:
                 self._busy, self._steps_next = False, False
                 self._cond.notify_all()
-        with self._cond:
+        with self._cond, self._waiting():
             while not me.done:  # a batch is never taken without its leader's own step
                 self._cond.wait(self._wait_s())
         return self._result(me)
 
-    # -- inside --------------------------------------------------------------------------------------------
+    # -- inside (under self._cond) ---------------------------------------------------------------------------
+    @contextmanager
+    def _waiting(self):
+        counted = getattr(self._mine, "generation", False)
+        if counted:
+            self.waiting += 1
+            self._cond.notify_all()  # this thread's work is done: a forward may be waiting for it
+        try:
+            yield
+        finally:
+            if counted:
+                self.waiting -= 1
+
+    def _quiet(self, since: float) -> bool:
+        """Every running generation waits here, or the oldest caller has waited `STRAGGLER_S` since `since`."""
+        return self.waiting >= self.generations or time.monotonic() - since >= STRAGGLER_S
+
     def _steps_ready(self) -> bool:
         if not self._steps:
             return False
-        full = len(self._steps) >= self.decoding or sum(s.rows for s in self._steps) >= MAX_ROWS
-        return full or time.monotonic() - self._steps[0].at >= GATHER_S
+        return sum(s.rows for s in self._steps) >= MAX_ROWS or self._quiet(self._steps[0].at)
+
+    def _steps_go(self) -> bool:
+        """A step batch runs now: the model is free, the batch is ready and it is the steps' turn."""
+        return not self._busy and self._steps_ready() and (self._steps_next or not self._turns)
+
+    def _turn_is(self, ticket) -> bool:
+        """The exclusive turn `ticket` runs now: the model is free, it is first in line and not the steps' turn."""
+        if self._busy or self._turns[0][0] is not ticket:
+            return False
+        if self._steps_ready() and (self._steps_next or not self._quiet(self._turns[0][1])):
+            return False
+        return self._quiet(self._turns[0][1])
 
     def _wait_s(self) -> float:
-        return GATHER_S / 2 if self._steps else 0.05
+        return STRAGGLER_S / 4
 
     def _take(self) -> list[_Step]:
         """The waiting steps, first come first served, up to MAX_ROWS rows (the first always)."""
@@ -161,6 +198,7 @@ class StepBatcher:
         self._steps = self._steps[len(batch):]
         return batch
 
+    # -- the forward (outside self._cond) ----------------------------------------------------------------------
     def _run(self, batch: list[_Step]) -> None:
         with self.lock:
             results = None
@@ -179,7 +217,7 @@ class StepBatcher:
                     except Exception as exc:  # noqa: BLE001 - re-raised in the step's own thread
                         s.error = exc
                         results.append(None)
-            else:
+            elif results:
                 self.batches += 1
                 self.batched_rows += sum(s.rows for s in batch)
         with self._cond:

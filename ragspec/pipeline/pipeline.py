@@ -382,10 +382,15 @@ class Pipeline(SourceCacheMixin):
         if n_question > limit:
             raise RagspecError(f"the question is {n_question} tokens, over prompt.max_question_tokens ({limit}); "
                                "shorten it or raise the limit")
-        if documents is None:
-            sources, retrieval_ms = self.retrieve(question, filter)
-        else:
-            sources, retrieval_ms = as_sources(documents), 0.0
+        batcher = self.step_batcher
+        # generations running on this model: the retrieval's embedder takes a turn with their forwards (on a CPU
+        # each would slow the other's every core)
+        turn = batcher.exclusive if batcher is not None and batcher.generations else contextlib.nullcontext
+        with turn():
+            if documents is None:
+                sources, retrieval_ms = self.retrieve(question, filter)
+            else:
+                sources, retrieval_ms = as_sources(documents), 0.0
         # the steps judge a conversation's first question; a follow-up keeps that turn's instruction and sources, so
         # its prompt starts with the first turn's (the prefix cache reuses it)
         first = str(history[0].get("content", "")) if history and isinstance(history[0], dict) else question
@@ -393,7 +398,8 @@ class Pipeline(SourceCacheMixin):
         budget = self.resolve_source_budget(source_tokens, retrieved=documents is None) if on_sources else None
         steps = self.source_steps(budget) if on_sources else []
         query = Query(first, self.window_scorer if steps else None, follow_up=bool(history))
-        sources, found = run_steps(steps, query, sources)
+        with turn():
+            sources, found = run_steps(steps, query, sources)
         gate, cut = found.get("gate"), found.get("budget")
         declined = gate is not None and gate.declined
         # past the gate a source is about the question: the model is asked to answer, not offered to decline,

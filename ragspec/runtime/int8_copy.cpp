@@ -26,10 +26,11 @@
 #include <tuple>
 #include <vector>
 
+#include "kernel_math.h"
+
 namespace {
 
 constexpr int GROUP = 32;
-constexpr float QMAX = 127.0f;
 enum Fmt { U4 = 0, U5 = 1, S8 = 2, U6 = 3, U4K = 4 };  // gguf_formats.FORMATS
 
 #if defined(__F16C__)
@@ -93,32 +94,6 @@ void dequantize_block(int64_t b, int64_t G, const uint8_t* w, const uint8_t* wh,
   }
 }
 
-// int8_linear.quantize_rows on one row (int8_rows.cpp's quantize_row: a maximum is exact in any order, and each
-// lane divides and rounds as the scalar loop does)
-float quantize_row(const float* r, int64_t K, int8_t* o) {
-  float top = 0.0f;
-  int64_t k = 0;
-#if defined(__AVX512F__)
-  __m512 tv = _mm512_setzero_ps();
-  for (; k + 16 <= K; k += 16) tv = _mm512_max_ps(tv, _mm512_abs_ps(_mm512_loadu_ps(r + k)));
-  top = _mm512_reduce_max_ps(tv);
-#endif
-  for (; k < K; ++k) top = std::max(top, std::fabs(r[k]));
-  const float s = std::max(top, FLT_MIN) / QMAX;
-  k = 0;
-#if defined(__AVX512F__)
-  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-QMAX), hi = _mm512_set1_ps(QMAX);
-  for (; k + 16 <= K; k += 16) {
-    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(r + k), sv),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
-  }
-#endif
-  for (; k < K; ++k) o[k] = static_cast<int8_t>(std::min(std::max(std::nearbyint(r[k] / s), -QMAX), QMAX));
-  return s;
-}
-
 using BlockFn = void (*)(int64_t, int64_t, const uint8_t*, const uint8_t*, const uint16_t*, const uint8_t*, float*,
                          int64_t);
 constexpr BlockFn BLOCK[5] = {dequantize_block<U4>, dequantize_block<U5>, dequantize_block<S8>, dequantize_block<U6>,
@@ -145,7 +120,7 @@ std::tuple<at::Tensor, at::Tensor> int8_copy(const at::Tensor& w, const at::Tens
     std::vector<float> rows(8 * k);
     for (int64_t b = begin; b < end; ++b) {
       BLOCK[fmt](b, G, pw, ph, pd, pm, rows.data(), k);
-      for (int64_t j = 0; j < 8 && b * 8 + j < n; ++j) ps[b * 8 + j] = quantize_row(rows.data() + j * k, k, pq + (b * 8 + j) * k);
+      for (int64_t j = 0; j < 8 && b * 8 + j < n; ++j) ps[b * 8 + j] = ragspec_math::quantize_row(rows.data() + j * k, k, pq + (b * 8 + j) * k);
     }
   });
   return {q, scale};

@@ -28,33 +28,6 @@
 
 namespace {
 
-constexpr float QMAX = 127.0f;
-
-// one row's quantization (the steps of quantize_rows_int8) from a float row the caller holds
-inline float quantize_row(const float* r, int64_t K, int8_t* o) {
-  float top = 0.0f;
-  int64_t k = 0;
-#if defined(__AVX512F__)
-  __m512 tv = _mm512_setzero_ps();
-  for (; k + 16 <= K; k += 16) tv = _mm512_max_ps(tv, _mm512_abs_ps(_mm512_loadu_ps(r + k)));
-  top = _mm512_reduce_max_ps(tv);
-#endif
-  for (; k < K; ++k) top = std::max(top, std::fabs(r[k]));
-  const float s = std::max(top, FLT_MIN) / QMAX;
-  k = 0;
-#if defined(__AVX512F__)
-  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-QMAX), hi = _mm512_set1_ps(QMAX);
-  for (; k + 16 <= K; k += 16) {
-    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(r + k), sv),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
-  }
-#endif
-  for (; k < K; ++k) o[k] = static_cast<int8_t>(std::min(std::max(std::nearbyint(r[k] / s), -QMAX), QMAX));
-  return s;
-}
-
 // one row of scale_int32's steps, into `o`
 inline void scale_row(const int32_t* a, float s, const float* pc, const float* pb, int64_t N, float* o) {
   int64_t n = 0;
@@ -84,7 +57,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x_in) {
   float* ps = scale.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      ps[m] = quantize_row(px + m * K, K, pq + m * K);
+      ps[m] = ragspec_math::quantize_row(px + m * K, K, pq + m * K);
     }
   });
   return {q, scale};
@@ -142,7 +115,7 @@ std::tuple<at::Tensor, at::Tensor> int8_glu(const at::Tensor& gate_in, const at:
       scale_row(pa + m * N, pr[m], pg, nullptr, N, g.data());
       scale_row(pb + m * N, pr[m], pu, nullptr, N, u.data());
       ragspec_math::silu_mul(g.data(), u.data(), g.data(), N);
-      ps[m] = quantize_row(g.data(), N, pq + m * N);
+      ps[m] = ragspec_math::quantize_row(g.data(), N, pq + m * N);
     }
   });
   return {q, scale};

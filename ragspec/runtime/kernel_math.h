@@ -1,5 +1,5 @@
 // Shared arithmetic of ragspec's C++ CPU kernels (the SiLU of gguf_kernel.cpp and int8_rows.cpp, the softmax of the
-// attention kernels).
+// attention kernels, the int8 row quantization of int8_rows.cpp and int8_copy.cpp).
 //
 // exp: Cephes' expf, x = n·ln2 + r with |r| <= ln2/2, a degree-7 polynomial of r (relative error ~1e-7); one
 // scalar, an 8-lane and a 16-lane version of the same operations, so a value's bits never depend on where in a row it
@@ -8,6 +8,8 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -89,6 +91,35 @@ inline void silu_mul(const float* g, const float* u, float* h, int64_t n) {
   }
 #endif
   for (; c < n; ++c) h[c] = g[c] / (1.0f + exp1(-g[c])) * u[c];
+}
+
+constexpr float INT8_MAX_F = 127.0f;
+
+// int8_linear.quantize_rows on one row, from a float row the caller holds (the prompt copy's activations in
+// int8_rows.cpp, its weights made at load in int8_copy.cpp): a maximum is exact in any order, and each lane divides
+// and rounds as the scalar loop does; returns the row's scale
+inline float quantize_row(const float* r, int64_t K, int8_t* o) {
+  float top = 0.0f;
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  __m512 tv = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) tv = _mm512_max_ps(tv, _mm512_abs_ps(_mm512_loadu_ps(r + k)));
+  top = _mm512_reduce_max_ps(tv);
+#endif
+  for (; k < K; ++k) top = std::max(top, std::fabs(r[k]));
+  const float s = std::max(top, FLT_MIN) / INT8_MAX_F;
+  k = 0;
+#if defined(__AVX512F__)
+  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-INT8_MAX_F), hi = _mm512_set1_ps(INT8_MAX_F);
+  for (; k + 16 <= K; k += 16) {
+    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(r + k), sv),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+  }
+#endif
+  for (; k < K; ++k) o[k] = static_cast<int8_t>(std::min(std::max(std::nearbyint(r[k] / s), -INT8_MAX_F), INT8_MAX_F));
+  return s;
 }
 
 }  // namespace ragspec_math
