@@ -25,9 +25,9 @@ Alone, a generation drafts what its own budget says.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -59,7 +59,8 @@ class StepBatcher:
         self._cond = threading.Condition()
         self._busy = False  # a forward (batch or exclusive turn) is running
         self._steps: list[_Step] = []
-        self._turns: deque[tuple[object, float]] = deque()  # exclusive turns waiting (ticket, since), in order
+        self._turns: list[tuple[float, int, float]] = []  # exclusive turns waiting: (priority, ticket, since)
+        self._tickets = itertools.count()
         self._steps_next = True  # after an exclusive turn, waiting steps go first (and the reverse)
         self._mine = threading.local()  # .generation: this thread runs a generation here
         self.waiting = 0  # generations' threads waiting here (for a step or a turn)
@@ -77,7 +78,7 @@ class StepBatcher:
             while self.generations >= limit:
                 self._cond.wait(0.05)
             self.generations += 1
-        self._mine.generation = True
+        self._mine.generation, self._mine.since = True, time.monotonic()
         try:
             yield
         finally:
@@ -106,14 +107,20 @@ class StepBatcher:
     # -- turns ---------------------------------------------------------------------------------------------
     @contextmanager
     def exclusive(self):
-        """The model to one caller (a prompt chunk, a drafter's model call), taking turns with step batches."""
-        ticket = object()
+        """The model to one caller (a prompt chunk, a drafter's model call), taking turns with step batches. The
+        turns go by the caller's generation's start, first come first served: a prompt's later chunks come before
+        a later request's first, so each request's first token waits for the prompts before its own, not for
+        every prompt that arrived with it."""
+        now = time.monotonic()
+        mine = (getattr(self._mine, "since", now) if getattr(self._mine, "generation", False) else now,
+                next(self._tickets), now)
         with self._cond:
-            self._turns.append((ticket, time.monotonic()))
+            self._turns.append(mine)
+            self._turns.sort()
             with self._waiting():
-                while not self._turn_is(ticket):
+                while not self._turn_is(mine):
                     self._cond.wait(self._wait_s())
-            self._turns.popleft()
+            self._turns.remove(mine)
             self._busy = True
         try:
             with self.lock:
@@ -178,11 +185,11 @@ class StepBatcher:
 
     def _turn_is(self, ticket) -> bool:
         """The exclusive turn `ticket` runs now: the model is free, it is first in line and not the steps' turn."""
-        if self._busy or self._turns[0][0] is not ticket:
+        if self._busy or self._turns[0] is not ticket:
             return False
-        if self._steps_ready() and (self._steps_next or not self._quiet(self._turns[0][1])):
+        if self._steps_ready() and (self._steps_next or not self._quiet(ticket[2])):
             return False
-        return self._quiet(self._turns[0][1])
+        return self._quiet(ticket[2])
 
     def _wait_s(self) -> float:
         return STRAGGLER_S / 4

@@ -157,10 +157,15 @@ class TransformersBackend:
         check_cancel(cancel)
         if root_alone:
             ids = torch.tensor([prompt_ids[split:]], device=self.device)
-            with self._turn():
+            if self.batcher is not None:  # a one-token step's forward: it rides with the other generations' steps
+                pos = torch.tensor([[split]], device=self.device)
+                logits = self.batcher.step(1, lambda: self._forward(ids, pos, None).logits[0],
+                                           (ids, pos, None, self.cache))
+                self._root_logits, self.cached = logits[-1], len(prompt_ids)
+            else:
                 out = self.model(input_ids=ids, **cache_arg(self.model, self.cache), use_cache=True,
                                  logits_to_keep=1)
-            self._root_logits, self.cached = out.logits[0, -1], len(prompt_ids)
+                self._root_logits, self.cached = out.logits[0, -1], len(prompt_ids)
         elif split < len(prompt_ids) - 1:
             from ragspec.decoding.backends.attention import AttentionCapture, eager_attention
 
