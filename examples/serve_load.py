@@ -12,7 +12,8 @@ distinct question is first asked alone; then `--requests` streamed chat completi
 latency and time to first token, and throughput (requests/s, tokens/s).
 
 --sweep (with --index): distinct questions (default: the quickstart's 12 and rephrasings) asked one after
-another, then for each client count c the first c asked all at once; before each phase the server forgets
+another, then for each client count c the first c asked all at once (the clients in a child process, off the
+server's cores' interpreter); before each phase the server forgets
 what earlier asks left (the tree of earlier prompts, the answer memory), so no phase reads another's prompts.
 Per c: aggregate tokens/s at once and one after another (their ratio), p50/p95 latency and first token against
 the same questions asked alone, and how many answers equal the lone ones.
@@ -139,24 +140,49 @@ def at_once(client, model: str, questions: list[str], max_tokens: int) -> tuple[
     return results, time.perf_counter() - t0
 
 
-def run_sweep(url: str, model: str, questions: list[str], levels: list[int], max_tokens: int, forget,
-              api_key: str | None = None) -> dict:
-    """Distinct questions one after another, then the first c at once for each c in `levels` (see the module)."""
+def client_phase(url: str, model: str, questions: list[str], max_tokens: int, mode: str,
+                 api_key: str | None = None) -> tuple[list[dict], float]:
+    """The questions asked one after another (`mode` "alone") or all at once: (results in order, wall time)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "none", max_retries=0, timeout=900)
+    if mode == "at-once":
+        return at_once(client, model, questions, max_tokens)
+    t0, out = time.perf_counter(), []
+    for q in questions:
+        out.append(ask(client, model, q, max_tokens))
+        print(f"  alone: {out[-1]['latency_s']:.2f} s, first token {out[-1]['ttft_s']:.2f} s", file=sys.stderr)
+    return out, time.perf_counter() - t0
+
+
+def child_phase(url: str, model: str, questions: list[str], max_tokens: int, mode: str,
+                api_key: str | None = None) -> tuple[list[dict], float]:
+    """`client_phase` in a child process: on a 2-core machine the clients' threads (HTTP, SSE parsing) would
+    otherwise share the server's interpreter lock and cores."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--url", url, "--model", model, "--max-tokens", str(max_tokens),
+           "--client-phase", mode, "--questions-json", json.dumps(questions)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, check=True, text=True)
+    got = json.loads(done.stdout)
+    return got["results"], got["wall_s"]
+
+
+def run_sweep(url: str, model: str, questions: list[str], levels: list[int], max_tokens: int, forget,
+              api_key: str | None = None, phase=client_phase) -> dict:
+    """Distinct questions one after another, then the first c at once for each c in `levels` (see the module).
+    `phase`: how the clients run (`client_phase` here, `child_phase` in another process)."""
     n = min(max(levels), len(questions))
-    ask(client, model, "What is a variable?", 8)  # a first ask's one-time costs (kernels, copies) paid apart
+    phase(url, model, ["What is a variable?"], 8, "alone", api_key)  # a first ask's one-time costs paid apart
     forget()
-    lone = []
-    for q in questions[:n]:
-        lone.append(ask(client, model, q, max_tokens))
-        print(f"  alone: {lone[-1]['latency_s']:.2f} s, first token {lone[-1]['ttft_s']:.2f} s", file=sys.stderr)
+    lone, _ = phase(url, model, questions[:n], max_tokens, "alone", api_key)
     rows = []
     for c in levels:
         c = min(c, n)
         forget()
-        got, wall = at_once(client, model, questions[:c], max_tokens)
+        got, wall = phase(url, model, questions[:c], max_tokens, "at-once", api_key)
         ok = [r for r in got if "error" not in r]
         seq_s = sum(r["latency_s"] for r in lone[:c])
         seq_tokens = sum(r["tokens"] for r in lone[:c])
@@ -201,6 +227,7 @@ def plot_sweep(report: dict, path: str) -> None:
     a.set_xlabel("clients")
     a.set_ylabel("answer tokens/s (all clients)")
     a.set_xscale("log", base=2)
+    a.set_ylim(bottom=0)
     a.legend()
     for key, style, label in (("ttft_p50_s", "o-", "first token p50"), ("ttft_p95_s", "o:", "first token p95"),
                               ("latency_p50_s", "s-", "latency p50"), ("latency_p95_s", "s:", "latency p95")):
@@ -208,6 +235,8 @@ def plot_sweep(report: dict, path: str) -> None:
     b.set_xlabel("clients")
     b.set_ylabel("seconds")
     b.set_xscale("log", base=2)
+    for ax in (a, b):
+        ax.set_xticks(c, [str(x) for x in c])
     b.legend(fontsize=8)
     fig.suptitle(report.get("title", ""), fontsize=9)
     fig.tight_layout()
@@ -228,7 +257,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the report here too")
     ap.add_argument("--sweep", help="client counts, e.g. 1,2,4,8,16 (with --index; see the module)")
     ap.add_argument("--plot", help="--sweep: write its figure here (.png)")
+    ap.add_argument("--client-phase", choices=["alone", "at-once"], help=argparse.SUPPRESS)  # child_phase's
+    ap.add_argument("--questions-json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.client_phase:
+        results, wall = client_phase(args.url, args.model, json.loads(args.questions_json), args.max_tokens,
+                                     args.client_phase, args.api_key)
+        print(json.dumps({"results": results, "wall_s": wall}))
+        return 0
     if not args.index and not args.url:
         ap.error("give --index or --url")
     if args.sweep and not args.index:
@@ -259,7 +295,7 @@ def main(argv=None) -> int:
 
             levels = [int(x) for x in args.sweep.split(",")]
             report = run_sweep(url, model, args.question or QUESTIONS + REPHRASED, levels, args.max_tokens,
-                               server.pipe.forget, args.api_key)
+                               server.pipe.forget, args.api_key, phase=child_phase)
             cpu, every = read_cpuinfo()
             flags = sorted(set(every) & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8"})
             report.update(model=model, pipeline=args.pipeline or "default", cpu=cpu, cpu_flags=flags,

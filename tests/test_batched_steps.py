@@ -145,16 +145,39 @@ def test_sampled_answers_keep_each_requests_own_stream(smol_gguf, prompts):
     assert batcher.batches > 0
 
 
-def test_a_cancelled_generation_leaves_at_once_and_the_others_go_on(smol_gguf, prompts):
+def test_a_cancelled_generation_leaves_at_once_and_the_others_go_on(smol_gguf, prompts, monkeypatch):
+    """The cancelled generation's place, rows and KV cache are gone once its stream closes; the other answers on."""
+    import gc
+    import weakref
+
+    from ragspec.decoding import generate
+
     model, tok = smol_gguf
     batcher = batcher_of(model)
     cancel = threading.Event()
     ref = SpeculativeGenerator(model, tok, max_new_tokens=40)
     ref.generate(prompts[1])
+    caches: list = []
+    made = generate.make_backend
+
+    def recording(*args, **kwargs):  # the real backend, its cache watched
+        backend = made(*args, **kwargs)
+        real = backend.prefill
+
+        def prefill(*a, **k):
+            ms = real(*a, **k)
+            caches.append(weakref.ref(backend.cache))
+            return ms
+
+        backend.prefill = prefill
+        return backend
+
+    monkeypatch.setattr(generate, "make_backend", recording)
 
     def cancelled():
         gen = SpeculativeGenerator(model, tok, max_new_tokens=200, eos_token_ids=[])
-        for i, _ in enumerate(gen.stream(prompts[0], batcher=batcher, cancel=cancel)):
+        stream = gen.stream(prompts[0], batcher=batcher, cancel=cancel)
+        for i, _ in enumerate(stream):
             if i == 3:
                 cancel.set()
         return gen.tokens
@@ -168,6 +191,9 @@ def test_a_cancelled_generation_leaves_at_once_and_the_others_go_on(smol_gguf, p
     assert isinstance(first, Cancelled)
     assert second == ref.tokens
     assert batcher.generations == batcher.decoding == 0 and not batcher._steps
+    del first  # its traceback holds the stopped frames (a server logs and drops it)
+    gc.collect()
+    assert len(caches) == 2 and all(c() is None for c in caches), "a generation's KV cache outlived it"
 
 
 def test_a_long_prompt_read_mid_stream_does_not_stop_the_other_stream(smol_gguf, prompts):

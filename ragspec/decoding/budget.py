@@ -57,8 +57,7 @@ KNEE = 1.5  # a step batch of several generations holds the rows a forward reads
 
 def step_rows(cost: CostModel, knee: float = KNEE) -> int:
     """The rows one forward affords when several generations share it: the most measured rows n whose t(n) stays
-    within `knee` × t(1) (where more rows stop riding on the weights' read; 8 for the 0.5B and the 1.5B on the
-    Xeon)."""
+    within `knee` × t(1) (where more rows stop riding on the weights' read; 4 to 8 on the Xeon)."""
     limit = knee * cost.time(1)
     return max([n for n, ms in zip(cost.sizes, cost.ms) if ms <= limit], default=1)
 

@@ -1,10 +1,10 @@
 """Continuous batching: the draft steps of several generations of one model share a forward.
 
 Why: a CPU step reads every weight once whatever its row count, so rows are cheap together (eight one-token
-steps of the 0.5B in one forward take 1.9× one alone on the Xeon, not 8×); a server with eight users asking at
-once would otherwise run eight steps where one costs little more. ragspec's CPU kernels are row-independent (a
-row's bits do not depend on the other rows of a forward), so each generation's logits, and so its answer, are
-the same bits as when it runs alone.
+steps in one forward take 1.4× (1.5B) to 2.4× (0.5B) one alone on the Xeon, not 8×); a server with eight users
+asking at once would otherwise run eight steps where one costs little more. ragspec's CPU kernels are
+row-independent (a row's bits do not depend on the other rows of a forward), so each generation's logits, and so
+its answer, are the same bits as when it runs alone.
 
 How: every generation keeps its own KV cache, drafter and tree, on its own thread. A step hands its rows to
 `step`; the waiting steps run as one forward (up to `MAX_ROWS` rows) and each gets its logits. A prompt is read
@@ -18,7 +18,7 @@ cores all run the forward, a generation drafting, accepting or streaming beside 
 of it. So the generations' own work runs between forwards, never during one.
 
 Policy for the draft budget: with k generations stepping, a step affords the rows R whose forward stays within
-1.5 t(1) (`budget.step_rows`, from the measured t(n): 8 for the 0.5B and the 1.5B on the Xeon), shared equally:
+1.5 t(1) (`budget.step_rows`, from the measured t(n): 4 to 8 on the Xeon), shared equally:
 each drafts at most R // k - 1 nodes (its best-ranked), so eight generations take plain one-token steps together.
 Alone, a generation drafts what its own budget says.
 """
