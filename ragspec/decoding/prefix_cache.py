@@ -29,15 +29,20 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class _LastReused:
-    """`last_reused` per thread: generations running together (continuous batching) each read their own."""
+    """`last_reused`: tokens the latest lookup of any thread reused; `reused_here`: those of this thread's latest
+    (generations running together, continuous batching, each read their own)."""
 
     @property
     def last_reused(self) -> int:
-        return getattr(self._mine(), "n", 0)
+        return self.__dict__.get("_latest", 0)
 
     @last_reused.setter
     def last_reused(self, n: int) -> None:
-        self._mine().n = n
+        self._mine().n = self.__dict__["_latest"] = n
+
+    @property
+    def reused_here(self) -> int:
+        return getattr(self._mine(), "n", 0)
 
     def _mine(self) -> threading.local:
         return self.__dict__.setdefault("_local", threading.local())  # one, whichever thread comes first
@@ -71,7 +76,6 @@ class PrefixStore(_LastReused):
         self.entries: OrderedDict[int, PrefixCache] = OrderedDict()
         self._next = 0
         self._lock = threading.Lock()
-        self.last_reused = 0  # tokens reused by the latest lookup (0: prefilled from nothing)
 
     def lookup(self, ids: list[int], limit: int):
         """(cache copy, n): a cache of the first n <= limit tokens of `ids`, or (None, 0)."""
@@ -141,7 +145,6 @@ class PromptTree(_LastReused):
         self.budget = int(budget_mb * 2 ** 20)
         self.root = _Node([], [], None)
         self.nbytes = 0
-        self.last_reused = 0
         self._skeleton = None  # an empty cache of the model's kind: lookups fill copies of it
         self._clock = 0
         self._lock = threading.Lock()

@@ -545,7 +545,7 @@ class Pipeline(SourceCacheMixin):
             for delta in gen.stream(built.ids, built.segments, prefix=store, cancel=cancel, on_progress=on_progress,
                                     sources=plan, batcher=batcher):
                 if not parts and store is not None:  # the first delta comes right after the prefill
-                    reused = store.last_reused
+                    reused = store.reused_here
                 if not ttft_ms and delta.text:
                     ttft_ms = (time.perf_counter() - t_start) * 1000
                 if matcher is not None:

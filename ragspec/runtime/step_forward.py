@@ -121,10 +121,7 @@ def step_forward(model, input_ids=None, position_ids=None, attention_mask=None, 
     if position_ids is None:
         position_ids = torch.arange(past, past + rows)[None]
     ops = load_kernels()
-    h = inner.embed_tokens(input_ids)
-    cos, sin = inner.rotary_emb(h, position_ids)
-    half = cos.shape[-1] // 2
-    cos, sin = cos[:, :, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, :, None]
+    h, cos, sin = _embedded(inner, input_ids, position_ids)
     for layer in layers:
         attn = layer.self_attn
         q, k, v = _attention_inputs(attn, layer.input_layernorm.forward(h), cos, sin)
@@ -171,10 +168,7 @@ def step_forward_many(model, parts: list[tuple]) -> list[torch.Tensor] | None:
     ops = load_kernels()
     ids = torch.cat([p[0] for p in parts], dim=1)
     position_ids = torch.cat([p[1] for p in parts], dim=1)
-    h = inner.embed_tokens(ids)
-    cos, sin = inner.rotary_emb(h, position_ids)
-    half = cos.shape[-1] // 2
-    cos, sin = cos[:, :, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, :, None]
+    h, cos, sin = _embedded(inner, ids, position_ids)
     for layer in layers:
         attn = layer.self_attn
         q, k, v = _attention_inputs(attn, layer.input_layernorm.forward(h), cos, sin)
@@ -190,6 +184,14 @@ def step_forward_many(model, parts: list[tuple]) -> list[torch.Tensor] | None:
         h = h + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
     logits = model.lm_head(inner.norm.forward(h))[0]
     return list(logits.split(sizes))
+
+
+def _embedded(inner, input_ids: torch.Tensor, position_ids: torch.Tensor):
+    """(the rows' embeddings, cos, signed sin): the rotary angles made once for every layer (see `_rotated`)."""
+    h = inner.embed_tokens(input_ids)
+    cos, sin = inner.rotary_emb(h, position_ids)
+    half = cos.shape[-1] // 2
+    return h, cos[:, :, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, :, None]
 
 
 def _output(logits: torch.Tensor, cache):
