@@ -10,6 +10,7 @@ do not run is one clear line.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from ragspec.errors import RagspecError
 from ragspec.models.registry import installed
 
 SMOL = "smollm2-135m-instruct"
+QWEN = "qwen2.5-coder-0.5b-instruct"
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
 METHODS = ["none", "pld", "trie", "suffix", "lookahead", "ngrammys", "auto", "pldplus-h", "pldplus-a"]
 
@@ -198,3 +200,57 @@ def test_an_architecture_the_kernels_do_not_run_is_one_clear_line(tmp_path):
         load_generator(str(path), "cpu", "gguf")
     with pytest.raises(RagspecError, match=r"not an embedded model or a local \.gguf"):
         load_generator(str(tmp_path / "missing.gguf"), "cpu", "gguf")
+
+
+def test_the_metadata_folder_read_fast_is_the_one_transformers_own_reader_makes(tmp_path, smol_file):
+    """`gguf_fields.FieldsReader` (one pass in plain Python) gives transformers the same config and tokenizer files
+    as `gguf.GGUFReader` (the real SmolLM2 file); every field's value agrees (and a tiny Qwen2 file's)."""
+    import filecmp
+
+    import gguf
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.integrations.ggml import _gguf_parse_value
+
+    from ragspec.models.gguf_fields import FieldsReader, fast_reader
+
+    files = [smol_file, write_tiny_gguf(tmp_path / "tiny-qwen2.gguf", "qwen2", smol_file, layers=1)]
+    for path in files:
+        ours, theirs = FieldsReader(path), gguf.GGUFReader(str(path))
+        assert list(ours.fields) == list(theirs.fields)
+        for key, field in theirs.fields.items():
+            mine = ours.fields[key]
+            assert mine.types == [int(t) for t in field.types], key
+            assert ([_gguf_parse_value(mine.parts[i], mine.types) for i in mine.data]
+                    == [_gguf_parse_value(field.parts[i], field.types) for i in field.data]), key
+        assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    made = []
+    for fast in (True, False):  # the real file: the slow reader takes ~10 s over its 49k-token vocabulary
+        out = tmp_path / f"meta-{fast}"
+        with fast_reader() if fast else contextlib.nullcontext():
+            AutoConfig.from_pretrained(str(smol_file.parent), gguf_file=smol_file.name).save_pretrained(out)
+            AutoTokenizer.from_pretrained(str(smol_file.parent), gguf_file=smol_file.name).save_pretrained(out)
+        made.append(out)
+    names = sorted(p.name for p in made[0].iterdir())
+    assert names == sorted(p.name for p in made[1].iterdir()) and "tokenizer.json" in names
+    assert all(filecmp.cmp(made[0] / n, made[1] / n, shallow=False) for n in names)
+    assert gguf.GGUFReader is gguf.gguf_reader.GGUFReader  # lent only meanwhile
+
+
+@pytest.mark.skipif(not installed(QWEN), reason="the 0.5B's weight packages are not installed")
+def test_a_gguf_tokenizer_loads_lean_with_the_ids_of_its_own_class():
+    """`load_tokenizer` reads a GGUF's tokenizer.json as the generic fast tokenizer (Qwen2Tokenizer keeps Python
+    copies of its 151k-token vocabulary and merges): the same ids, chat prompts, decoding and special tokens as the
+    class AutoTokenizer picks, on the Qwen model."""
+    from transformers import AutoTokenizer
+
+    from ragspec.models.generator import load_tokenizer, tokenizer_source
+
+    lean, own = load_tokenizer(QWEN), AutoTokenizer.from_pretrained(tokenizer_source(QWEN))
+    assert type(own).__name__ == "Qwen2Tokenizer" and type(lean) is not type(own)
+    texts = [*PASSAGES, "  spaces\n\n\ttabs 12345 ünïcödé 日本語 🙂 <|im_start|>user hi<|im_end|>\r\n x"]
+    assert [lean.encode(t) for t in texts] == [own.encode(t) for t in texts]
+    for q, p in QUESTIONS:
+        assert chat_prompt(lean, PASSAGES[p], q) == chat_prompt(own, PASSAGES[p], q)
+    assert [lean.decode(lean.encode(t)) for t in texts] == [own.decode(own.encode(t)) for t in texts]
+    assert (lean.eos_token_id, lean.pad_token_id, lean.all_special_ids) == (own.eos_token_id, own.pad_token_id,
+                                                                          own.all_special_ids)

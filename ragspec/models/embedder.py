@@ -214,6 +214,9 @@ def load_embedder(name: str, device: str = "cpu", dtype: str = "auto", max_token
         raise
     except Exception as exc:  # transformers / hub errors: one line for the user
         raise hub_error(name, "embedder", exc) from exc
+    from ragspec.memory import release_freed
+
+    release_freed()  # the float32 weights read on the way to dtype, and the loader's buffers
     if max_tokens is not None:
         limit = getattr(config, "max_position_embeddings", 512)
         model.max_seq_length = min(max(model.max_seq_length, max_tokens + 2), limit)

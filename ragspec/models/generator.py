@@ -46,6 +46,21 @@ def tokenizer_source(name: str) -> str:
     return resolve_hub_or_folder(name, "generator")
 
 
+def load_tokenizer(name: str):
+    """`name`'s tokenizer. A GGUF's (embedded, or a local .gguf) is read from the tokenizer.json made from its
+    metadata, as the generic fast tokenizer: the model's own class (Qwen2Tokenizer) would also keep Python copies of
+    its 151k-token vocabulary and merges, 50 MB resident for the same ids and chat template (tested)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from ragspec.memory import release_freed
+
+    source = tokenizer_source(name)
+    gguf = lookup(name, "generator") is not None or Path(name).expanduser().suffix == ".gguf"
+    tokenizer = (PreTrainedTokenizerFast if gguf else AutoTokenizer).from_pretrained(source)
+    release_freed()  # the parsed JSON's buffers
+    return tokenizer
+
+
 def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
     """(model, tokenizer), the model in eval mode on `device`, made ready by `runtime.prepare` (on CPU its linears
     packed for oneDNN, quantised for dtype int8, and so on). dtype gguf builds it from the GGUF alone, its linears
@@ -71,9 +86,11 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
         except Exception as exc:
             raise hub_error(name, "generator", exc) from exc
     model.eval()
+    from ragspec.memory import release_freed
     from ragspec.runtime.prepare import prepare
 
     prepare(model, device, dtype, runtime_options())
+    release_freed()  # what reading and packing the weights freed: not part of the model's resident size
     return model, tokenizer
 
 
@@ -100,8 +117,6 @@ def _load_gguf(name: str):
     """(model, tokenizer) of dtype gguf: an embedded model's parts or a local .gguf read in place, its config and
     tokenizer from the GGUF's metadata, every linear on the packed blocks (the prompt's weight copy as set, or as
     measured for the model)."""
-    from transformers import AutoTokenizer
-
     from ragspec.models.gguf_cache import ensure_meta
     from ragspec.models.gguf_model import build
     from ragspec.models.gguf_source import gguf_source
@@ -110,7 +125,7 @@ def _load_gguf(name: str):
     source = gguf_source(name)
     architecture(source)  # one the kernels run, or one clear line before anything is read
     meta = ensure_meta(source)
-    tokenizer = AutoTokenizer.from_pretrained(str(meta))
+    tokenizer = load_tokenizer(name)
     return build(source, meta, prompt_copy(name) or False), tokenizer
 
 
@@ -147,20 +162,18 @@ def prompt_copy_key(name: str) -> str:
 def load_llama_generator(name: str, n_ctx: int = 4096):
     """(LlamaCppModel, tokenizer) for the llama.cpp backend: an embedded model's GGUF (its parts assembled once:
     llama.cpp opens one file), or a local .gguf file; the tokenizer read from the GGUF's metadata once."""
-    from transformers import AutoTokenizer
-
     from ragspec.runtime.llama_cpp_model import LlamaCppModel
 
     embedded = lookup(name, "generator")
     if embedded is not None:
         from ragspec.models.gguf_cache import gguf_path
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(name))
+        tokenizer = load_tokenizer(name)
         return LlamaCppModel(gguf_path(embedded), n_ctx=n_ctx, name=embedded.name), tokenizer
     path = Path(name).expanduser()
     if path.suffix != ".gguf" or not path.is_file():
         raise RagspecError(f"generator.backend llama.cpp needs an embedded model or a local .gguf file, not '{name}'")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(name))
+    tokenizer = load_tokenizer(name)
     return LlamaCppModel(path, n_ctx=n_ctx), tokenizer
 
 

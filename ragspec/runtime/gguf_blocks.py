@@ -96,6 +96,9 @@ def packed_blocks(gguf, heads: int, kv_heads: int) -> tuple[str, dict[str, Packe
                     got = _read(path)  # each linear was written as packed: the whole packing held once, here
                 if got is None:  # not kept (a full or read-only disk): packed again, held in memory
                     got = _pack(src, heads, kv_heads)
+        from ragspec.memory import release_freed
+
+        release_freed()  # the packing's buffers
     return got
 
 
