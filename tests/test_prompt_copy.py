@@ -78,8 +78,8 @@ def test_copy_is_the_blocks_within_int8_rounding(copied):
         assert not torch.equal(got, lin(x))  # outside a prompt forward the blocks run
 
 
-def test_the_copy_is_made_from_the_packed_blocks_at_load(copied):
-    """Not kept on disk (only the blocks are): made at load by `int8_copy.cpp` with the bits of the torch
+def test_the_copy_is_made_from_the_packed_blocks(copied):
+    """Not kept on disk (only the blocks are): made from them by `int8_copy.cpp` with the bits of the torch
     reference (`gguf_formats.int8_copy`), so the same outputs as a copy made from the de-quantized weight."""
     from safetensors import safe_open
 
@@ -102,6 +102,33 @@ def test_the_copy_is_made_from_the_packed_blocks_at_load(copied):
         if hasattr(lin.prompt_int8, "w_q"):  # the int_mm kernel's weights as made
             assert torch.equal(lin.prompt_int8.w_q, q), name
         assert torch.equal(lin.prompt_int8(x), Int8Linear.from_weight(lin.dequantize(), lin.bias)(x)), name
+
+
+def test_the_copy_is_made_when_a_prompt_first_reads_it_and_steps_never_make_it(copied):
+    """Made late (so a new machine's t(n) measurement, steps only, does not hold it beside its own logits): a
+    step leaves every copy unmade, the first prompt forward makes them all, `make_prompt_copies` the rest."""
+    from ragspec.models.generator import load_generator
+    from ragspec.runtime.gguf_linear import make_prompt_copies
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_linear, "prompt_copy_kind", lambda default=None: "int8")
+        model, tok = load_generator(SMOL, dtype="gguf")
+    linears = [m for m in model.modules() if isinstance(m, GGUFLinear) and m.wants_int8]
+    assert len(linears) == 7 * model.config.num_hidden_layers and all(m._int8 is None for m in linears)
+    ids = torch.tensor([chat_prompt(tok, PASSAGES[0], QUESTIONS[0][0])])
+    with torch.inference_mode():
+        step = model(input_ids=ids).logits
+        assert all(m._int8 is None for m in linears)
+        with prompt_forward():
+            read = model(input_ids=ids).logits
+        assert all(m._int8 is not None for m in linears) and make_prompt_copies(model) == 0
+        with prompt_forward():
+            assert torch.equal(read, copied[0](input_ids=ids).logits)  # the bits of a copy made at once
+    assert torch.equal(step, copied[0](input_ids=ids).logits)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_linear, "prompt_copy_kind", lambda default=None: "int8")
+        fresh, _ = load_generator(SMOL, dtype="gguf")
+    assert make_prompt_copies(fresh) == len(linears) and make_prompt_copies(fresh) == 0
 
 
 def test_steps_never_read_the_copy(copied, plain):

@@ -202,7 +202,7 @@ def int8_prompt_pairs(model: str, rounds: int) -> None:
 
     def switch(mode):
         for m, copy in linears.items():
-            m.prompt_int8 = copy if mode else None
+            m.use_int8_copy(copy if mode else None)
         for m in mlps:
             m._int8 = bool(mode)
 

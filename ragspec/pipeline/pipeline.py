@@ -169,6 +169,16 @@ class Pipeline(SourceCacheMixin):
                 from ragspec.decoding.backends import calibrate
 
                 self._cost = calibrate(self._model, progress=progress)
+            from ragspec.runtime.model_runtime import runtime_of
+
+            rt = runtime_of(self._model)
+            if rt is not None and rt.prompt_copy == "int8":  # after the t(n) measurement, which reads none
+                from ragspec.runtime.gguf_linear import make_prompt_copies
+
+                make_prompt_copies(self._model)
+            from ragspec.memory import release_freed
+
+            release_freed()  # what the first load's one-time work (packing, t(n)) freed
         return self
 
     def _follow_measurement(self, progress=None) -> None:

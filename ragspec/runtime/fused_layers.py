@@ -29,7 +29,7 @@ class FusedMLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.act_fn = mlp.act_fn
         self._prompt = any(m.prompt is not None for m in (self.gate_proj, self.up_proj, self.down_proj))
-        self._int8 = all(m.prompt_int8 is not None for m in (self.gate_proj, self.up_proj, self.down_proj))
+        self._int8 = all(m.wants_int8 for m in (self.gate_proj, self.up_proj, self.down_proj))
         # one activation rule for gate and up (x is quantized once), and the group rule for down (its input is
         # quantized a group of outputs at a time): u4k8 only where both hold
         mixed = (self.gate_proj.code == SUPERBLOCK) != (self.up_proj.code == SUPERBLOCK)

@@ -35,6 +35,7 @@ the forwards the backends mark as reading prompt positions (`runtime/prompt_mode
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 import torch
@@ -146,26 +147,41 @@ class GGUFLinear(nn.Module):
         self._no_bias = torch.empty(0)
         self._args = None  # the buffers as a tuple: a step reads them ~170 times, Module.__getattr__ is slow
         self.prompt = None  # the bf16 copy
-        self.prompt_int8 = None  # the int8 copy (an Int8Linear)
+        self._int8 = None  # the int8 copy (an Int8Linear), once made
         kind = prompt_copy_kind() if prompt_copy is None else {True: "bf16", False: None}.get(prompt_copy, prompt_copy)
+        self.wants_int8 = kind == "int8"  # its int8 copy is made when first read (or by `make_prompt_copies`)
         if kind == "bf16":
             self.prompt = torch.ops.mkldnn._reorder_linear_weight(self.dequantize().to(torch.bfloat16), 16)
-        elif kind == "int8":
+        elif kind and kind != "int8":
+            raise RagspecError(f"prompt copy '{kind}' is not bf16 or int8")
+
+    @property
+    def prompt_int8(self):
+        """The int8 prompt copy (an `Int8Linear`), made from the blocks on first use: in one pass
+        (`int8_copy.cpp`: gguf_formats.int8_copy's bits, 0.2 s for 100 M weights on 2 cores against torch's 0.7
+        s); None where the linear has none. Made late so that a new machine's one-time t(n) measurement (steps
+        only: 256 rows of logits) does not hold the copy's 0.36 GB (the 0.5B) beside its own."""
+        if self._int8 is None and self.wants_int8:
             from ragspec.runtime.int8_linear import Int8Linear
 
-            # made from the blocks in one pass (`int8_copy.cpp`: gguf_formats.int8_copy's bits, 0.2 s for 100 M weights
-            # on 2 cores against torch's 0.7 s); the fp32 kernel gives the same numbers
-            w_q, w_scale = self.ops.int8_copy(w, wh, sd, smn, FORMATS[fmt], rows, cols)
-            self.prompt_int8 = Int8Linear.from_quantized(w_q, w_scale, self.bias, ops=self.ops)
-        elif kind:
-            raise RagspecError(f"prompt copy '{kind}' is not bf16 or int8")
+            with _COPYING:
+                if self._int8 is None:
+                    w, wh, sd, smn, bias = self.kernel_args()
+                    w_q, w_scale = self.ops.int8_copy(w, wh, sd, smn, FORMATS[self.fmt], self.out_features,
+                                                      self.in_features)
+                    self._int8 = Int8Linear.from_quantized(w_q, w_scale, bias, ops=self.ops)
+        return self._int8
+
+    def use_int8_copy(self, copy) -> None:
+        """Put an int8 copy on (an `Int8Linear`) or off (None): the verifier bench compares both."""
+        self._int8, self.wants_int8 = copy, copy is not None
 
     def dequantize(self) -> torch.Tensor:
         """The weight the kernel computes with, as float32 [out, in] (d and m as stored)."""
         return dequantize(self.fmt, self.w, self.wh, self.d, self.mn, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.prompt_int8 is not None and reading_prompt():
+        if self.wants_int8 and reading_prompt():
             return self.prompt_int8(x)
         if self.prompt is None or x.numel() <= PROMPT_ROWS * self.in_features:  # one call: quantize, multiply, bias
             args = self.kernel_args()
@@ -191,7 +207,7 @@ class GGUFLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"{self.gguf_type}→{self.fmt}{'8' if self.code == SUPERBLOCK else ''}"
                 f"{', bf16 prompt copy' if self.prompt is not None else ''}"
-                f"{', int8 prompt copy' if self.prompt_int8 is not None else ''}")
+                f"{', int8 prompt copy' if self.wants_int8 else ''}")
 
     def nbytes(self) -> tuple[int, int]:
         """(bytes read by a decode step, bytes of the prompt copy)."""
@@ -236,6 +252,18 @@ def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | str | No
     # chosen by row count)
     rt.prompt_role = rt.prompt_attention = kind != "bf16"
     return done
+
+
+def make_prompt_copies(model: nn.Module) -> int:
+    """Make every int8 prompt copy `model`'s linears still owe (else each is made when a prompt first reads it);
+    returns how many were made."""
+    owed = [m for m in model.modules() if isinstance(m, GGUFLinear) and m.wants_int8 and m._int8 is None]
+    for m in owed:
+        _ = m.prompt_int8
+    return len(owed)
+
+
+_COPYING = threading.Lock()
 
 
 def kernels_key(model: nn.Module) -> str:
