@@ -169,6 +169,31 @@ class PromptSettings(Strict):
         return self
 
 
+class RuntimeSettings(Strict):
+    """How the CPU/CUDA runtime runs the generator: for comparisons and for machines that need another choice;
+    each default is the measured one. An environment variable, where set, wins (runtime/options.py lists them)."""
+
+    prompt_copy: Literal["auto", "int8", "bf16", "off"] = Field(
+        "auto", description="dtype gguf: the weight copy prompts are read with. auto: the model's measured one (the "
+        "Qwen models: int8 where int8 units run it; its memory: 1 byte a weight, 0.36 GB for the 0.5B); off: the "
+        "blocks alone (less memory, slower prompts)")
+    q8k: Literal["auto", "on", "off"] = Field(
+        "auto", description="dtype gguf: Q4_K linears on llama.cpp's Q8_K activation rule (auto: where AMX runs)")
+    amx: bool = Field(True, description="dtype gguf: the kernels' AMX tile path where the CPU has it (one switch "
+                                        "per process)")
+    int8_kernel: Literal["auto", "int_mm", "fp32"] = Field(
+        "auto", description="int8 products: torch._int_mm or float32 (the same numbers); auto: int_mm where the "
+        "CPU's int8 units run it")
+    step_forward: bool = Field(True, description="dtype gguf: draft steps in one loop over the layers' kernels "
+                                                 "(the same bits as the module tree)")
+    packed_linear: bool = Field(True, description="float and int8 linears packed for oneDNN on CPU")
+    exact_attention: bool = Field(True, description="quantized CPU dtypes: attention whose rows do not depend on "
+                                                    "the batch (greedy identity needs it)")
+    static_verifier: Literal["auto", "on", "off"] = Field("auto", description="static KV cache and padded row "
+                                                                              "buckets (auto: on CUDA)")
+    cuda_graphs: bool = Field(True, description="the static verifier's steps as CUDA graphs")
+
+
 class GeneratorSettings(Strict):
     model: str = Field(DEFAULT_GENERATOR, description="embedded name, HF id or folder of a causal LM")
     backend: Literal["auto", "transformers", "llama.cpp"] = Field(
@@ -218,6 +243,8 @@ class GeneratorSettings(Strict):
         16, ge=1, description="generations that run at once on one model (ragspec serve, ask_many, batch): their "
         "draft steps share forwards (continuous batching, transformers backend), each answer the same as asked "
         "alone; more wait for a place; 1: one at a time (docs/serving.md)")
+    runtime: RuntimeSettings = Field(default_factory=RuntimeSettings,
+                                     description="the runtime's kernels and copies (docs/decoding.md)")
 
 
 class DraftingSettings(Strict):

@@ -304,7 +304,8 @@ def test_a_new_machine_answers_on_a_guess_and_switches_once_measured(tmp_path, m
     job itself is tested below.)"""
     from ragspec.index.builder import build_index
     from ragspec.machine import launch
-    from ragspec.pipeline import Pipeline, pipeline
+    from ragspec.pipeline import Pipeline
+    from ragspec.pipeline import loading as pipeline
     from ragspec.retrieve.retriever import Retriever
     from ragspec.settings import IndexSettings, RetrieverSettings
 

@@ -32,7 +32,7 @@ from ragspec.cpu_flags import flags_hash, read_cpuinfo
 from ragspec.errors import RagspecError
 from ragspec.machine.measure import BLEND, CONTEXT, SIZES, run_child
 from ragspec.paths import ragspec_home, read_json, write_json
-from ragspec.runtime.options import runtime_options
+from ragspec.runtime.options import current_options
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
@@ -253,8 +253,8 @@ def _llama_version() -> str | None:
 
 def table_key(model: str, cpu: dict | None = None, candidates=CANDIDATES) -> str:
     """Model + CPU model + CPU flags + threads (+ torch and llama.cpp versions, ragspec's own CPU kernels, the
-    linear packing switch, the candidates): a change in any of them changes the kernels, so the measurements no
-    longer hold."""
+    runtime options in effect, the candidates): a change in any of them changes the kernels, so the measurements
+    no longer hold."""
     import torch
 
     from ragspec.models.generator import prompt_copy_key
@@ -265,7 +265,7 @@ def table_key(model: str, cpu: dict | None = None, candidates=CANDIDATES) -> str
     cpu = cpu or cpu_info()
     model_id = model if not Path(model).expanduser().exists() else str(Path(model).expanduser().resolve())
     parts = [FORMAT, model_id, cpu["model"], cpu["flags_hash"], cpu["threads"], cpu["cores"], torch.__version__,
-             _llama_version(), source_digest(), runtime_options().key(), prompt_copy_key(model),
+             _llama_version(), source_digest(), current_options().key(), prompt_copy_key(model),
              "1" if superblock_activations() else "0", "step" if step_forward_wanted() else "modules", CONTEXT, SIZES,
              [c.name for c in candidates]]
     h = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]

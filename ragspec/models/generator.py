@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ragspec.errors import RagspecError
 from ragspec.models.registry import hub_error, lookup, resolve_hub_or_folder
-from ragspec.runtime.options import runtime_options
+from ragspec.runtime.options import RuntimeOptions, current_options, options_in_effect
 
 
 def torch_dtype(name: str, what: str):
@@ -61,10 +61,16 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
+def load_generator(name: str, device: str = "cpu", dtype: str = "float32", options: RuntimeOptions | None = None):
     """(model, tokenizer), the model in eval mode on `device`, made ready by `runtime.prepare` (on CPU its linears
-    packed for oneDNN, quantised for dtype int8, and so on). dtype gguf builds it from the GGUF alone, its linears
-    on the GGUF's own blocks (`models/gguf_model.py`: no float copy on disk or in memory)."""
+    packed for oneDNN, quantised for dtype int8, and so on) under `options` (a spec's `generator.runtime`; None:
+    the defaults and the environment's overrides). dtype gguf builds it from the GGUF alone, its linears on the
+    GGUF's own blocks (`models/gguf_model.py`: no float copy on disk or in memory)."""
+    with options_in_effect(options or current_options()) as opts:
+        return _load_generator(name, device, dtype, opts)
+
+
+def _load_generator(name: str, device: str, dtype: str, options: RuntimeOptions):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dt = torch_dtype(dtype, "generator")
@@ -89,7 +95,7 @@ def load_generator(name: str, device: str = "cpu", dtype: str = "float32"):
     from ragspec.memory import release_freed
     from ragspec.runtime.prepare import prepare
 
-    prepare(model, device, dtype, runtime_options())
+    prepare(model, device, dtype, options)
     release_freed()  # what reading and packing the weights freed: not part of the model's resident size
     return model, tokenizer
 
@@ -152,11 +158,9 @@ def prompt_copy(name: str) -> str | None:
 
 
 def prompt_copy_key(name: str) -> str:
-    """For calibration keys: RAGSPEC_GGUF_PROMPT as set, or unset, the model's own copy ("int8") or "0" (the keys
-    of models without one stay as they were)."""
-    from ragspec.runtime.options import runtime_options
-
-    return runtime_options().prompt_copy or prompt_copy(name) or "0"
+    """For calibration keys: the prompt copy as the options in effect set it, or unset, the model's own copy
+    ("int8") or "0" (the keys of models without one stay as they were)."""
+    return current_options().prompt_copy or prompt_copy(name) or "0"
 
 
 def load_llama_generator(name: str, n_ctx: int = 4096):
@@ -177,18 +181,21 @@ def load_llama_generator(name: str, n_ctx: int = 4096):
     return LlamaCppModel(path, n_ctx=n_ctx), tokenizer
 
 
-_shared: dict[tuple[str, str, str], tuple] = {}
+_shared: dict[tuple[str, str, str, str], tuple] = {}
 _shared_lock = threading.Lock()
 _model_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def shared_generator(name: str, device: str = "cpu", dtype: str = "float32", backend: str = "transformers"):
-    """`load_generator` (or `load_llama_generator`), once per process for each (name, device, dtype, backend):
-    pipelines and LangChain objects that name the same model share one copy of its weights."""
-    key = (name, device, dtype) if backend == "transformers" else (name, backend, "")
+def shared_generator(name: str, device: str = "cpu", dtype: str = "float32", backend: str = "transformers",
+                     options: RuntimeOptions | None = None):
+    """`load_generator` (or `load_llama_generator`), once per process for each (name, device, dtype, backend,
+    runtime options): pipelines and LangChain objects that name the same model share one copy of its weights."""
+    options = options or current_options()
+    key = (name, device, dtype, options.key()) if backend == "transformers" else (name, backend, "", "")
     with _shared_lock:
         if key not in _shared:
-            _shared[key] = load_generator(name, device, dtype) if backend == "transformers" else load_llama_generator(name)
+            _shared[key] = (load_generator(name, device, dtype, options) if backend == "transformers"
+                            else load_llama_generator(name))
         return _shared[key]
 
 

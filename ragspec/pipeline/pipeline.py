@@ -19,7 +19,7 @@ from pathlib import Path
 from ragspec import activity
 from ragspec.decoding.drafters import check_params, make_drafter
 from ragspec.decoding.sampling import SamplingSettings
-from ragspec.errors import RagspecError, loading
+from ragspec.errors import RagspecError
 from ragspec.pipeline.aio import iterate_in_thread
 from ragspec.pipeline.answer import (
     Answer,
@@ -32,6 +32,7 @@ from ragspec.pipeline.answer import (
 )
 from ragspec.pipeline.attribution import CopyMatcher
 from ragspec.pipeline.declined import is_declined
+from ragspec.pipeline.loading import GeneratorLoading
 from ragspec.pipeline.prompt import (
     NO_DECLINE,
     BuiltPrompt,
@@ -43,9 +44,8 @@ from ragspec.pipeline.prompt import (
 from ragspec.pipeline.source_cache import SourceCacheMixin
 from ragspec.retrieve.relevance import is_task_on_sources
 from ragspec.retrieve.steps import Query, run_steps
+from ragspec.runtime.options import runtime_options
 from ragspec.spec import PipelineSpec, load_spec
-
-GUESS_RECHECK_S = 10.0  # a pipeline on a guessed backend looks this often (between asks) for the measured table
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Prepared:
     declined: bool
 
 
-class Pipeline(SourceCacheMixin):
+class Pipeline(GeneratorLoading, SourceCacheMixin):
     def __init__(self, spec: PipelineSpec | dict | str | Path | None = None, index=None, *, model=None,
                  tokenizer=None):
         """`index`: a path to a built index, an opened `Index` or a `Retriever` (default: `retriever.index`
@@ -85,6 +85,8 @@ class Pipeline(SourceCacheMixin):
         self.choice = None  # models.machine.Choice: the backend and dtype `load` took, and why
         self._guess_checked = time.monotonic()  # when a guessed choice last looked for the measured table
         self._load_lock = threading.RLock()
+        # the runtime's options: the spec's generator.runtime, the environment's overrides over it (built once)
+        self.runtime_options = runtime_options(self.spec.generator.runtime.model_dump())
 
     @classmethod
     def from_spec(cls, spec: PipelineSpec | dict | str | Path | None = None, index=None, **kwargs) -> Pipeline:
@@ -127,98 +129,6 @@ class Pipeline(SourceCacheMixin):
                     idx = arg if isinstance(arg, Index) else Index(arg, device=self.spec.index.device)
                     self._retriever = Retriever(idx, self.spec.retriever, device=self.spec.index.device)
             return self._retriever
-
-    def load(self, progress=None) -> Pipeline:
-        """Load the index's embedder and the generator (and measure its forward cost once, when the draft budget is
-        'auto'). With
-        `generator.backend` / `dtype` auto on a CPU, the backend and dtype are the fastest measured on this
-        machine for this pipeline's ask shape (measured once per machine). `progress(line)` hears about the
-        choice and about the one-time measurement of the forward cost. A failure is a LoadError."""
-        with loading():
-            return self._load(progress)
-
-    def _load(self, progress=None) -> Pipeline:
-        with self._load_lock, activity.busy("loading a generator"):
-            if self._model is not None and self.choice is not None and self.choice.guessed:
-                self._follow_measurement(progress)
-            if self._model is None:
-                if self._index_arg is not None:
-                    # the index's embedder first: its load's passing float32 weights then come before the
-                    # generator's are resident, not on top of them (the 0.5B's first ask peaked 0.1 GB higher)
-                    _ = self.retriever.embedder
-                from ragspec.machine.table import resolve
-                from ragspec.models.generator import shared_generator
-
-                g, method = self.spec.generator, self.spec.drafting.method
-                choosing = None if progress is None else (lambda line: progress(f"choosing a backend: {line}"))
-                self.choice = resolve(g, self.device, self.expected_prompt_tokens(), self.expected_answer_tokens(),
-                                      method, progress=choosing, source_cache=self.source_cache_on())
-                from ragspec.machine.table import needs_transformers
-
-                if self.choice.backend == "llama.cpp" and needs_transformers(method):
-                    raise RagspecError(f"drafting {method} needs hidden states, attention rows, every tree row's "
-                                       "prediction or the model's bigram, which the llama.cpp backend does not "
-                                       "give: use pld, trie, suffix or none")
-                self._model, self._tokenizer = shared_generator(g.model, self.device, self.choice.dtype,
-                                                                self.choice.backend)
-            elif self.choice is None:
-                self.choice = given_choice(self._model)
-            if self._tokenizer is None:
-                raise RagspecError("a model was given without its tokenizer")
-            if self._cost is None and self.spec.drafting.budget == "auto" and self.spec.drafting.method != "none":
-                from ragspec.decoding.backends import calibrate
-
-                self._cost = calibrate(self._model, progress=progress)
-            from ragspec.runtime.model_runtime import runtime_of
-
-            rt = runtime_of(self._model)
-            if rt is not None and rt.prompt_copy == "int8":  # after the t(n) measurement, which reads none
-                from ragspec.runtime.gguf_linear import make_prompt_copies
-
-                make_prompt_copies(self._model)
-            from ragspec.memory import release_freed
-
-            release_freed()  # what the first load's one-time work (packing, t(n)) freed
-        return self
-
-    def _follow_measurement(self, progress=None) -> None:
-        """Between asks, a pipeline running on a flag-based guess looks (every `GUESS_RECHECK_S`) for this
-        machine's measured table; where it prefers another backend or dtype, that one is loaded for the next
-        ask and whatever was tied to the old model (its t(n), learned acceptance, cached KV) is dropped."""
-        from ragspec.machine.table import resolve
-
-        now = time.monotonic()
-        if now - self._guess_checked < GUESS_RECHECK_S:
-            return
-        self._guess_checked = now
-        choice = resolve(self.spec.generator, self.device, self.expected_prompt_tokens(),
-                         self.expected_answer_tokens(), self.spec.drafting.method, source_cache=self.source_cache_on())
-        if choice.guessed:
-            return
-        if choice[:2] == self.choice[:2]:
-            self.choice = choice
-            return
-        say = progress or (lambda line: None)
-        say(f"this machine is measured now: {choice.backend}/{choice.dtype} instead of the guessed "
-            f"{self.choice.backend}/{self.choice.dtype} ({choice.reason}); loading it")
-        self._model = self._tokenizer = None
-        self._cost, self._rates, self._calibration, self._source_store = None, None, None, None
-        self._prompts, self._gate = None, False  # the gate's band may belong to the old model's prompt copy
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
-
-    def expected_prompt_tokens(self) -> int:
-        """The prompt length an ask will likely have, for choosing a backend: top_n sources of a chunk each
-        (less the overlap merged away) plus ~150 tokens of instruction, numbering and question."""
-        ix = self.spec.index
-        return self.spec.retriever.top_n * (ix.chunk_tokens - ix.overlap) + 150
-
-    def expected_answer_tokens(self) -> int:
-        """The answer length a backend is chosen for: max_new_tokens is a cap, and measured answers run far
-        shorter (`machine.EXPECTED_ANSWER_TOKENS`)."""
-        from ragspec.machine.table import EXPECTED_ANSWER_TOKENS
-
-        return min(self.spec.generator.max_new_tokens, EXPECTED_ANSWER_TOKENS)
 
     @property
     def model(self):
@@ -599,14 +509,3 @@ class Pipeline(SourceCacheMixin):
         answer = Answer(question, text, list(matcher.citations) if matcher else [], built.sources, stats,
                         list(built.warnings), declined=is_declined(text))
         yield DoneEvent(answer)
-
-
-def given_choice(model):
-    """What runs a model handed to the pipeline (nothing was chosen)."""
-    from ragspec.decoding.backends import is_llama
-    from ragspec.machine.table import Choice
-
-    if is_llama(model):
-        return Choice("llama.cpp", "gguf", "a loaded model was given")
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if hasattr(model, "parameters") else ""
-    return Choice("transformers", dtype, "a loaded model was given")

@@ -90,9 +90,9 @@ def pack_linears(model: nn.Module, batch_hint: int = 16) -> int:
     `PackedLinear`; returns how many.
 
     A no-op (0) on other devices, other dtypes, without oneDNN, or with RAGSPEC_PACKED_LINEAR=0."""
-    from ragspec.runtime.options import runtime_options
+    from ragspec.runtime.options import current_options
 
-    if not runtime_options().packed_linear or not packing_available():
+    if not current_options().packed_linear or not packing_available():
         return 0
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu":

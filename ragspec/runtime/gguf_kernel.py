@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ragspec.errors import RagspecError
 from ragspec.paths import ragspec_home
-from ragspec.runtime.options import runtime_options
+from ragspec.runtime.options import current_options
 
 STEP_SOURCES = [Path(__file__).with_name(name)  # what a forward runs: their digest names its measurements
                 for name in ("gguf_kernel.cpp", "attention_kernel.cpp", "prompt_attention.cpp", "int8_rows.cpp")]
@@ -57,7 +57,7 @@ def amx_expected() -> bool:
     name it."""
     from ragspec.cpu_flags import cpu_flags
 
-    return {"amx_tile", "amx_int8"} <= cpu_flags() and runtime_options().amx
+    return {"amx_tile", "amx_int8"} <= cpu_flags() and current_options().amx
 
 
 @functools.lru_cache(maxsize=1)

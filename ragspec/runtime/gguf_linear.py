@@ -61,9 +61,9 @@ def superblock_activations() -> bool:
     """Q4_K linears on llama.cpp's Q8_K activation rule: by default where the kernel drives AMX tiles (the 1.5B's
     prompts 0.89× the time there, its answers within one standard error), not elsewhere (slower without AMX);
     RAGSPEC_GGUF_Q8K=1 or 0 decides instead (docs/decoding.md)."""
-    from ragspec.runtime.options import runtime_options
+    from ragspec.runtime.options import current_options
 
-    forced = runtime_options().q8k
+    forced = current_options().q8k
     if forced is not None:
         return forced
     from ragspec.runtime.gguf_kernel import amx_expected
@@ -81,9 +81,9 @@ def prompt_copy_kind(default: str | None = None) -> str | None:
     whose start comes from the prefix cache reads its remainder with other kernels than a fresh one and can
     answer differently (seen: two serve replicas, 5-7 of 8 answers as asked alone); the int8 copy is chosen by
     role (`runtime/prompt_mode.py`) and keeps every read exact."""
-    from ragspec.runtime.options import runtime_options
+    from ragspec.runtime.options import current_options
 
-    value = runtime_options().prompt_copy
+    value = current_options().prompt_copy
     asked = value is not None
     value = value if asked else (default or "0")
     if value not in PROMPT_COPIES:

@@ -62,9 +62,9 @@ def _int_mm_is_fast() -> bool:
 def int8_kernel() -> str:
     """`int_mm` where the CPU has int8 units and PyTorch uses them, else `fp32` (the same numbers);
     RAGSPEC_INT8_KERNEL=int_mm|fp32 forces one."""
-    from ragspec.runtime.options import runtime_options
+    from ragspec.runtime.options import current_options
 
-    forced = runtime_options().int8_kernel
+    forced = current_options().int8_kernel
     if forced:
         if forced not in KERNELS:
             raise RagspecError(f"RAGSPEC_INT8_KERNEL '{forced}' is not one of {', '.join(KERNELS)}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ragspec.runtime.options import RuntimeOptions, runtime_options
+from ragspec.runtime.options import RuntimeOptions, current_options
 
 ATTRIBUTE = "ragspec_runtime"
 
@@ -36,11 +36,17 @@ def runtime_of(obj) -> ModelRuntime | None:
     return vars(obj).get(ATTRIBUTE) if hasattr(obj, "__dict__") else None
 
 
+def options_of(model) -> RuntimeOptions:
+    """The options a model was prepared under, or those in effect for a model `prepare` never saw."""
+    rt = runtime_of(model)
+    return rt.options if rt is not None else current_options()
+
+
 def attach(model, options: RuntimeOptions | None = None) -> ModelRuntime:
     """The model's runtime, made and attached (to the model and every module with a `config`) if it has none."""
     rt = runtime_of(model)
     if rt is None:
-        rt = ModelRuntime(options or runtime_options())
+        rt = ModelRuntime(options or current_options())
         for m in [model, *(m for m in model.modules() if hasattr(m, "config"))]:
             vars(m)[ATTRIBUTE] = rt  # a plain attribute: nn.Module's __getattr__ is never reached
     elif options is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from ragspec.runtime.model_runtime import ModelRuntime, attach
-from ragspec.runtime.options import RuntimeOptions, runtime_options
+from ragspec.runtime.options import RuntimeOptions, current_options
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ QUANTIZED = ("int8", "gguf", "bfloat16", "float16")  # dtypes whose rounding nee
 
 def prepare(model, device: str, dtype: str, options: RuntimeOptions | None = None) -> ModelRuntime:
     """Make a loaded model (eval mode, on `device`) run as `dtype` says on this machine; returns its runtime."""
-    options = options or runtime_options()
+    options = options or current_options()
     rt = attach(model, options)
     if device == "cpu" and dtype == "bfloat16":
         from ragspec.cpu_flags import native_bf16
@@ -34,8 +34,10 @@ def prepare(model, device: str, dtype: str, options: RuntimeOptions | None = Non
         quantize_linears(model)  # every linear but lm_head, which pack_linears packs in float32
     if dtype == "gguf":
         from ragspec.runtime.fused_layers import fuse_layers
+        from ragspec.runtime.gguf_kernel import load_kernels
         from ragspec.runtime.gguf_linear import kernels_key
 
+        load_kernels().amx(1 if options.amx else 0)  # the kernels' AMX switch (one per process)
         fuse_layers(model)  # MLPs and RMSNorms: one kernel call each
         rt.kernels = kernels_key(model)  # in the t(n) cost key, as the linears now run
     from ragspec.runtime.cpu_linear import pack_linears
@@ -58,6 +60,21 @@ def prepare(model, device: str, dtype: str, options: RuntimeOptions | None = Non
 
         use_tree_attention(model)  # tree steps read grouped key/value heads in place: see the module
     return rt
+
+
+def after_measuring(model) -> None:
+    """What a load leaves for after a new machine's one-time t(n) measurement: the int8 prompt copies, made now
+    (that measurement runs steps alone, and its 256-row logits would otherwise sit beside the copies: the 0.5B's
+    first ask peaked 0.1 GB higher), and the heap the load freed (packing, the metadata) given back."""
+    from ragspec.memory import release_freed
+    from ragspec.runtime.model_runtime import runtime_of
+
+    rt = runtime_of(model)
+    if rt is not None and rt.prompt_copy == "int8":
+        from ragspec.runtime.gguf_linear import make_prompt_copies
+
+        make_prompt_copies(model)
+    release_freed()
 
 
 def _gguf_prompt_rows() -> int | None:

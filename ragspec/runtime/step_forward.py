@@ -36,9 +36,9 @@ DECODERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")  # pre-norm, SiLU MLP, rot
 
 def wanted() -> bool:
     """RAGSPEC_STEP_FORWARD=0 keeps every forward on the module tree (for comparisons; the bits are the same)."""
-    from ragspec.runtime.options import runtime_options
+    from ragspec.runtime.options import current_options
 
-    return runtime_options().step_forward
+    return current_options().step_forward
 
 
 def install(model) -> bool:

@@ -74,7 +74,7 @@ def describe(model) -> str:
     cls = backend_class(model)
     if cls.__name__ != "StaticBackend":
         return cls.name
-    graphs = next(model.parameters()).device.type == "cuda" and cls.graphs_wanted()
+    graphs = next(model.parameters()).device.type == "cuda" and cls.graphs_wanted(model)
     return "transformers static cache" + (" + CUDA graphs" if graphs else "")
 
 

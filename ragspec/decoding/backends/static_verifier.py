@@ -40,9 +40,10 @@ ROOM = 1024  # slots a cache holds beyond the prompt before it doubles
 
 def wanted(model) -> bool:
     """Whether a model's generations run here (`RAGSPEC_STATIC_VERIFIER`, see the module)."""
-    from ragspec.runtime.options import runtime_options
+    from ragspec.runtime.model_runtime import options_of
+    from ragspec.runtime.options import overridden
 
-    choice = runtime_options().static_verifier
+    choice = overridden(options_of(model)).static_verifier
     if choice in ("0", "no", "off", "false") or sliding_window(model.config):
         return False
     if choice in ("1", "yes", "on", "true"):
@@ -135,17 +136,19 @@ class StaticBackend(TransformersBackend):
         super().__post_init__()
         if self.hidden_layer is not None or self.attention_heads:
             raise ValueError("the static verifier keeps no hidden states or attention rows: use TransformersBackend")
-        self.graphs_enabled = self.device.type == "cuda" and self.graphs_wanted()
+        self.graphs_enabled = self.device.type == "cuda" and self.graphs_wanted(self.model)
         self.graph_error: str | None = None  # why capture failed, if it did (the steps then run eagerly)
         self._held: Held | None = None
         self.window = None
 
     @staticmethod
-    def graphs_wanted() -> bool:
-        """`RAGSPEC_CUDA_GRAPHS=0` runs the static steps eagerly on CUDA too (to measure what graphs save)."""
-        from ragspec.runtime.options import runtime_options
+    def graphs_wanted(model) -> bool:
+        """`cuda_graphs: false` (RAGSPEC_CUDA_GRAPHS=0) runs the static steps eagerly on CUDA too (to measure what
+        graphs save)."""
+        from ragspec.runtime.model_runtime import options_of
+        from ragspec.runtime.options import overridden
 
-        return runtime_options().cuda_graphs
+        return overridden(options_of(model)).cuda_graphs
 
     # -- prefill -------------------------------------------------------------------------------------------
     @torch.inference_mode()

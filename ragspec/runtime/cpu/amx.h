@@ -19,14 +19,14 @@ bool amx_permitted() {
   return ok;
 }
 
-// -1: decide from RAGSPEC_GGUF_AMX (default on) on first use; 0 off; 1 on (the amx op switches it, for tests)
+// -1: on where permitted, decided on first use; 0 off; 1 on. The amx op switches it: `runtime.prepare` as the
+// runtime options say (`amx`, RAGSPEC_GGUF_AMX read there), tests and benchmarks to compare both paths.
 std::atomic<int> amx_mode{-1};
 
 bool amx_on() {
   int mode = amx_mode.load(std::memory_order_relaxed);
   if (mode < 0) {
-    const char* env = std::getenv("RAGSPEC_GGUF_AMX");
-    mode = (env && std::strcmp(env, "0") == 0) ? 0 : (amx_permitted() ? 1 : 0);
+    mode = amx_permitted() ? 1 : 0;
     amx_mode.store(mode, std::memory_order_relaxed);
   }
   return mode == 1;
