@@ -76,7 +76,7 @@ def packed_blocks(gguf, heads: int, kv_heads: int) -> tuple[str, dict[str, Packe
     """(architecture, {HF module name: Packed}) for every linear of `gguf` (a path or a `GGUFSource`), `lm_head`
     included (from `output.weight`, or the tied `token_embd.weight`): read from its packing, or packed here and
     kept (an embedded model's parts checked against their sha256 first). The int8 prompt copy is not kept: it
-    is made from these at load (`int8_copy.cpp`, 1 byte a weight that disk need not hold twice)."""
+    is made from these when first needed (`int8_copy.cpp`, 1 byte a weight that disk need not hold twice)."""
     src = _source(gguf)
     path = blocks_path(src, heads, kv_heads)
     got = _read(path)
