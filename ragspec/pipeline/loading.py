@@ -62,9 +62,11 @@ class GeneratorLoading:
                 from ragspec.decoding.backends import calibrate
 
                 self._cost = calibrate(self._model, progress=progress)
-            from ragspec.runtime.prepare import after_measuring
+            if self._settled is not self._model:  # once per model, not at each ask's load()
+                from ragspec.runtime.prepare import after_measuring
 
-            after_measuring(self._model)
+                after_measuring(self._model)
+                self._settled = self._model
         return self
 
     def _follow_measurement(self, progress=None) -> None:

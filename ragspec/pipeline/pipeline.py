@@ -87,6 +87,7 @@ class Pipeline(GeneratorLoading, SourceCacheMixin):
         self._load_lock = threading.RLock()
         # the runtime's options: the spec's generator.runtime, the environment's overrides over it (built once)
         self.runtime_options = runtime_options(self.spec.generator.runtime.model_dump())
+        self._settled = None  # the model whose prompt copies were made after its load (`loading.py`)
 
     @classmethod
     def from_spec(cls, spec: PipelineSpec | dict | str | Path | None = None, index=None, **kwargs) -> Pipeline:
