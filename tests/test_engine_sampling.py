@@ -243,3 +243,32 @@ def test_top_k_nucleus_from_the_k_kept_equals_the_whole_vocabulary_sort():
         got = target_probs(x, s)
         assert torch.equal(got[:3] > 0, ref[:3] > 0) and torch.allclose(got[:3], ref[:3], atol=1e-6)
         assert int((got[3] > 0).sum()) == int((ref[3] > 0).sum())  # which tied tokens a cut keeps is the sort's
+
+
+def test_a_seed_draws_the_same_answer_whatever_is_drafted(smol_gguf):
+    """Every emitted token takes one uniform of the request's generator, so a seeded sampled answer is the same
+    tokens with no drafter as with every drafter (and so alone as batched: the tree's size never matters)."""
+    from ragspec.decoding.drafters import METHODS, make_drafter
+    from ragspec.decoding.generate import SpeculativeGenerator
+
+    model, tok = smol_gguf
+    prompt = colour_prompt(tok)
+    sampling = SamplingSettings(temperature=0.9, top_p=0.95, seed=5)
+
+    def answer(method):
+        gen = SpeculativeGenerator(model, tok, drafter=make_drafter(method, model, tok), sampling=sampling,
+                                   max_new_tokens=32, eos_token_ids=[])
+        gen.generate(prompt)
+        return gen.tokens, gen.stats.accepted_draft_tokens
+
+    plain, _ = answer("none")
+    accepted = 0
+    for method in [m for m in METHODS if m != "pldplus-a"]:  # pldplus-a: pldplus-h's walk after a head calibration
+        tokens, drafted = answer(method)
+        assert tokens == plain, method
+        accepted += drafted
+    assert accepted > 0  # drafts were taken: the equality is not that of plain steps
+    other = SpeculativeGenerator(model, tok, sampling=SamplingSettings(temperature=0.9, top_p=0.95, seed=6),
+                                 max_new_tokens=32, eos_token_ids=[])
+    other.generate(prompt)
+    assert other.tokens != plain  # the seed does choose the answer

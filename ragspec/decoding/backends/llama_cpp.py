@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ragspec.cpu_flags import flags_hash
-from ragspec.decoding.backends.accept import accept_sampled, new_generator, walk_greedy
+from ragspec.decoding.backends.accept import accept_sampled, new_generator, walk
 from ragspec.decoding.backends.base import StepResult
 from ragspec.decoding.budget import measured_enough
 from ragspec.decoding.sampling import SamplingSettings
@@ -120,7 +120,7 @@ class LlamaCppBackend:
         row = self._run(rows)
         t2 = time.perf_counter()
         if self.sampling.greedy:
-            path, bonus = walk_greedy(tree, lambda r: int(np.argmax(row(r))))
+            path, bonus = walk(tree, lambda r: int(np.argmax(row(r))))
         else:
             import torch
 

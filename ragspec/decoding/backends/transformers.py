@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragspec.decoding.backends.accept import accept_greedy, accept_sampled, new_generator, walk_greedy
+from ragspec.decoding.backends.accept import accept_greedy, accept_sampled, new_generator, walk
 from ragspec.decoding.backends.base import PREFILL_CHUNK, StepResult, chunks
 from ragspec.decoding.budget import measured_enough
 from ragspec.decoding.sampling import SamplingSettings
@@ -199,7 +199,7 @@ class TransformersBackend:
         t2 = time.perf_counter()
         preds = logits.argmax(dim=-1).tolist() if self.predictions else None
         if self.sampling.greedy:
-            path, bonus = walk_greedy(tree, preds.__getitem__) if preds is not None else accept_greedy(tree, logits)
+            path, bonus = walk(tree, preds.__getitem__) if preds is not None else accept_greedy(tree, logits)
         else:
             path, bonus = accept_sampled(tree, logits, self.sampling, self._gen)
         t3 = time.perf_counter()

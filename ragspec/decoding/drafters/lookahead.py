@@ -27,7 +27,7 @@ c = 0, else L0[c-1]) goes into the pool under base_c, and the window moves one s
 L0 ← L1[1:], Ll ← L(l+1), L_{N-2} ← new — by one position whatever was accepted (the authors' default).
 
 Window nodes that happen to equal the accepted path are accepted like any draft; greedy and sampled acceptance
-(multi-candidate rejection, Algorithm 4) are lossless for any tree, so the window and guesses change only the
+(one seeded draw a token, `backends/accept.py`) are lossless for any tree, so the window and guesses change only the
 speed. The pool is pre-filled from the prompt ("prompt as reference", Table 3) and grows with every accepted
 token's n-gram too. The tree is sized by W, N, G and marked `fixed`: the adaptive budget keeps it whole (a
 cut window could not be mapped back); when the step's budget (the tokens left) is smaller than the window,
