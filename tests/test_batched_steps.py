@@ -128,8 +128,8 @@ def test_answers_together_are_the_answers_alone(smol_gguf, prompts, method):
 
 
 def test_sampled_answers_keep_each_requests_own_stream(smol_gguf, prompts):
-    """temperature > 0: each generation samples from its own seeded generator, so together it draws the same
-    tokens as alone (its distribution is the one it has alone)."""
+    """temperature > 0: each generation samples from its own seeded generator, one uniform a token, so together
+    (where its share of a step's rows cuts its trees) it draws the same tokens as alone."""
     model, tok = smol_gguf
 
     def generation(prompt, seed, batcher=None):
@@ -277,3 +277,98 @@ def test_a_server_answers_distinct_questions_at_once_as_alone(tmp_path, embedder
     assert row["errors"] == 0 and row["identical"] == 4, row
     assert pipe.step_batcher.batches > 0
     assert max(seen) >= 2 and after == 0
+
+
+def test_a_request_arriving_while_another_answers_reads_its_prompt_from_the_tree(smol_gguf, prompts):
+    """A PromptTree keeps a prompt as soon as it is read: a second request sharing its passage, arriving while the
+    first still answers, reads the shared prefix from the tree instead of reading it again; both answers are the
+    ones alone."""
+    from ragspec.decoding.prefix_cache import PromptTree, common_prefix
+
+    model, tok = smol_gguf
+    first, second = prompts[0], prompts[1]
+    shared = common_prefix(first, second)
+    assert shared > 50
+
+    def generation(prompt, prefix=None, batcher=None, on_first=None, on_progress=None):
+        gen = SpeculativeGenerator(model, tok, drafter=make_drafter("suffix", model, tok), max_new_tokens=40,
+                                   eos_token_ids=[])
+        for i, _ in enumerate(gen.stream(prompt, prefix=prefix, batcher=batcher, on_progress=on_progress)):
+            if i == 0 and on_first is not None:
+                on_first()
+        return gen.tokens
+
+    alone = [generation(first), generation(second)]
+    tree, batcher = PromptTree(64), batcher_of(model)
+    answering, answered, seen = threading.Event(), threading.Event(), {}
+
+    def a():
+        try:
+            return generation(first, tree, batcher, on_first=answering.set)
+        finally:
+            answered.set()
+
+    def b():
+        assert answering.wait(120)
+        got = generation(second, tree, batcher,
+                         on_progress=lambda done, total: seen.setdefault("first still answering", not answered.is_set()))
+        seen["reused"] = tree.reused_here
+        return got
+
+    assert together([a, b]) == alone
+    assert seen == {"first still answering": True, "reused": shared}
+
+
+def test_a_request_arriving_while_another_reads_a_shared_prefix_waits_for_it(smol_gguf, prompts):
+    """A request whose prompt shares a prefix with one still being read waits for that one to be stored and
+    reads only the rest (its own reading would wait for the earlier prompt's turns anyway); both answers are
+    the ones alone, and a cancelled reader lets the waiting request go on."""
+    from ragspec.decoding.prefix_cache import PromptTree, common_prefix
+
+    model, tok = smol_gguf
+    first, second = prompts[0], prompts[1]
+    shared = common_prefix(first, second)
+    entered = threading.Event()
+
+    class Watched(PromptTree):  # the real tree, told when a request starts waiting
+        def wait_for_readers(self, *args, **kwargs):
+            entered.set()
+            return super().wait_for_readers(*args, **kwargs)
+
+    def generation(prompt, prefix=None, batcher=None, on_progress=None, cancel=None):
+        gen = SpeculativeGenerator(model, tok, drafter=make_drafter("suffix", model, tok), max_new_tokens=24,
+                                   eos_token_ids=[])
+        "".join(d.text for d in gen.stream(prompt, prefix=prefix, batcher=batcher, on_progress=on_progress,
+                                           cancel=cancel))
+        return gen.tokens
+
+    alone = [generation(first), generation(second)]
+    tree, batcher, seen, late = Watched(64), batcher_of(model), {}, []
+
+    def b():
+        got = generation(second, tree, batcher)
+        seen["reused"] = tree.reused_here
+        return got
+
+    def progress(done, total):  # the first prompt is read, not yet stored: the second request arrives now
+        if not late:
+            late.append(threading.Thread(target=lambda: seen.setdefault("b", b())))
+            late[0].start()
+            assert entered.wait(60)
+
+    assert generation(first, tree, batcher, on_progress=progress) == alone[0]
+    late[0].join(120)
+    assert seen == {"b": alone[1], "reused": shared}
+
+    # the reader ahead is cancelled: the waiting request reads its whole prompt itself
+    tree, cancel, entered, late = Watched(64), threading.Event(), threading.Event(), []
+    seen.clear()
+
+    def cancelling(done, total):
+        progress(done, total)
+        cancel.set()
+
+    with pytest.raises(Cancelled):
+        generation(first, tree, batcher, on_progress=cancelling, cancel=cancel)
+    late[0].join(120)
+    assert seen == {"b": alone[1], "reused": 0}

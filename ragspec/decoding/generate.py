@@ -76,6 +76,8 @@ class SpeculativeGenerator:
         self.stats = GenerationStats()
         self.tokens: list[int] = []
         self._batcher = None  # the StepBatcher this generation's steps go through, if any
+        self._reader = None  # this generation's key among the prompt tree's readers while it reads its prompt
+        self._waits = False  # it waits for a request ahead reading more of its prompt (`stream` decides)
 
     def generate(self, prompt_ids: list[int], segments: list[Segment] | None = None) -> str:
         return "".join(d.text for d in self.stream(prompt_ids, segments))
@@ -99,23 +101,44 @@ class SpeculativeGenerator:
         if not getattr(verifier, "supports_prefix", True):
             prefix = None  # a prefix store holds transformers caches
         self._batcher = batcher if getattr(verifier, "batcher", None) is not None else None
-        whole = batcher.exclusive() if batcher is not None and self._batcher is None else contextlib.nullcontext()
+        holds_model = batcher is not None and self._batcher is None
+        whole = batcher.exclusive() if holds_model else contextlib.nullcontext()
+        # a request ahead reading more of this prompt: read that part from the tree once it is stored (not while
+        # this generation holds the model, which that request's reading needs)
+        self._waits = prefix is not None and hasattr(prefix, "wait_for_readers") and not holds_model \
+            and self.drafter.hidden_layer is None and not heads
         try:
             with whole:  # a backend that cannot batch has the model to itself
                 yield from self._loop(verifier, prompt_ids, segments, stats, heads, prefix, cancel, on_progress,
                                       sources)
             if prefix is not None:
-                # a model that reads prompts by role read the positions from the prompt's last token on as steps,
-                # where a later prompt holding them reads them as prompt: only those before it are kept
-                kept = min(verifier.cached, len(prompt_ids) - 1) if reads_by_role(self.model) else verifier.cached
-                prefix.save(list(prompt_ids) + self.tokens, verifier.cache, kept)
+                prefix.save(list(prompt_ids) + self.tokens, verifier.cache, self._kept(verifier, prompt_ids))
         finally:
+            if self._reader is not None:  # cancelled or failed before its prompt was stored: nobody waits for it
+                prefix.done_reading(self._reader)
+                self._reader = None
             verifier.close()
+
+    def _kept(self, verifier, prompt_ids) -> int:
+        """Positions of the verifier's cache a prefix store may keep. A model that reads prompts by role read the
+        positions from the prompt's last token on as steps, where a later prompt holding them reads them as
+        prompt: only those before it are kept."""
+        return min(verifier.cached, len(prompt_ids) - 1) if reads_by_role(self.model) else verifier.cached
 
     def _loop(self, verifier, prompt_ids, segments, stats, heads, prefix=None, cancel=None,
               on_progress=None, sources=None) -> Iterator[Delta]:
         kw = {"sources": sources} if sources is not None else {}
+        if self._waits:
+            with self._batcher.aside() if self._batcher is not None else contextlib.nullcontext():
+                self._reader = prefix.wait_for_readers(prompt_ids, len(prompt_ids) - 1, cancel)
         stats.prefill_ms = verifier.prefill(list(prompt_ids), prefix, on_progress=on_progress, cancel=cancel, **kw)
+        if prefix is not None and prefix.copies:
+            # the prompt is stored as soon as it is read (a store that copies): a request arriving while this one
+            # answers reads the prefix they share from here instead of reading it again
+            prefix.save(list(prompt_ids), verifier.cache, min(self._kept(verifier, prompt_ids), len(prompt_ids)))
+            if self._reader is not None:
+                prefix.done_reading(self._reader)
+                self._reader = None
         state = DraftState(tokens=list(prompt_ids), prompt_len=len(prompt_ids), segments=segments or [])
         t0 = time.perf_counter()
         self.drafter.prepare(state)

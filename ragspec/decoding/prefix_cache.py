@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from collections import OrderedDict
 
 
@@ -69,6 +70,8 @@ class PrefixCache:
 
 class PrefixStore(_LastReused):
     """The `capacity` most recently used prefix caches; `lookup` finds the longest shared prefix."""
+
+    copies = False  # `save` keeps the cache handed over: only a finished generation's may be saved
 
     def __init__(self, capacity: int = 4, min_tokens: int = 1):
         self.capacity = capacity
@@ -141,6 +144,10 @@ class PromptTree(_LastReused):
     the keys and values held, the least recently used leaves go first (~25 KB a token for Qwen2.5-0.5B,
     ~57 KB for the 1.5B, float32). `PrefixStore`'s interface: `lookup`, `save`, `last_reused`, `clear`."""
 
+    copies = True  # `save` copies what it keeps: a generation saves its prompt as soon as it is read
+
+    AHEAD = 32  # a prompt being read that shares this many tokens more than the tree holds is worth waiting for
+
     def __init__(self, budget_mb: float = 2048):
         self.budget = int(budget_mb * 2 ** 20)
         self.root = _Node([], [], None)
@@ -148,6 +155,35 @@ class PromptTree(_LastReused):
         self._skeleton = None  # an empty cache of the model's kind: lookups fill copies of it
         self._clock = 0
         self._lock = threading.Lock()
+        self._read = threading.Condition(self._lock)  # notified when a prompt being read is stored or given up
+        self._reading: dict[int, list[int]] = {}  # thread id -> the prompt it is reading (looked up, not yet saved)
+
+    # -- prompts being read ------------------------------------------------------------------------------------
+    def wait_for_readers(self, ids: list[int], limit: int, cancel=None, timeout_s: float = 120.0) -> int:
+        """Wait while another request reads a prompt that shares `AHEAD` tokens more of `ids[:limit]` than the
+        tree holds (it is stored once read, and this prompt then reads only the rest), then count this thread as
+        reading `ids` until it saves them or calls `done_reading`. The wait costs no time where prompts are read
+        first come first served (the step batcher's turns): this prompt's reading would wait for that one's
+        anyway. A thread counts as reading only once it stops waiting, so two never wait for each other.
+        Returns the reader's key for `done_reading`."""
+        from ragspec.errors import check_cancel
+
+        ids, end, me = list(ids[:limit]), time.monotonic() + timeout_s, threading.get_ident()
+        with self._read:
+            while time.monotonic() < end:
+                held = self._walk(ids)[1]
+                if not any(common_prefix(r, ids) >= held + self.AHEAD for t, r in self._reading.items() if t != me):
+                    break
+                self._read.wait(0.05)
+                check_cancel(cancel)
+            self._reading[me] = ids
+        return me
+
+    def done_reading(self, reader: int) -> None:
+        """`reader` reads no prompt now (stored, cancelled or failed): requests waiting for it go on."""
+        with self._read:
+            if self._reading.pop(reader, None) is not None:
+                self._read.notify_all()
 
     def _walk(self, ids: list[int]):
         """[(node, tokens of it matched)] along `ids` from the root, and the tokens matched in all."""
@@ -261,3 +297,4 @@ class PromptTree(_LastReused):
     def clear(self) -> None:
         with self._lock:
             self.root, self.nbytes, self._skeleton = _Node([], [], None), 0, None
+            self._read.notify_all()

@@ -98,6 +98,18 @@ class StepBatcher:
             with self._cond:
                 self.decoding -= 1
 
+    @contextmanager
+    def aside(self):
+        """Around a generation's wait elsewhere (for another request's prompt): forwards need not wait for it."""
+        with self._cond:
+            waiting = self._waiting()
+            waiting.__enter__()
+        try:
+            yield
+        finally:
+            with self._cond:
+                waiting.__exit__(None, None, None)
+
     def share(self, cap: int, rows: int) -> int:
         """The nodes one generation may draft this step: `cap` (what it drafts alone) when it steps alone, else its
         equal part of the `rows` one forward affords (`budget.step_rows`), its root included."""
