@@ -105,7 +105,7 @@ class SpeculativeGenerator:
         whole = batcher.exclusive() if holds_model else contextlib.nullcontext()
         # a request ahead reading more of this prompt: read that part from the tree once it is stored (not while
         # this generation holds the model, which that request's reading needs)
-        self._waits = prefix is not None and hasattr(prefix, "wait_for_readers") and not holds_model \
+        self._waits = prefix is not None and prefix.copies and not holds_model \
             and self.drafter.hidden_layer is None and not heads
         try:
             with whole:  # a backend that cannot batch has the model to itself
@@ -114,10 +114,14 @@ class SpeculativeGenerator:
             if prefix is not None:
                 prefix.save(list(prompt_ids) + self.tokens, verifier.cache, self._kept(verifier, prompt_ids))
         finally:
-            if self._reader is not None:  # cancelled or failed before its prompt was stored: nobody waits for it
-                prefix.done_reading(self._reader)
-                self._reader = None
+            self._done_reading(prefix)  # cancelled or failed before its prompt was stored: nobody waits for it
             verifier.close()
+
+    def _done_reading(self, prefix) -> None:
+        """This generation no longer reads a prompt that others wait for (stored, cancelled or failed)."""
+        if self._reader is not None:
+            prefix.done_reading(self._reader)
+            self._reader = None
 
     def _kept(self, verifier, prompt_ids) -> int:
         """Positions of the verifier's cache a prefix store may keep. A model that reads prompts by role read the
@@ -135,10 +139,8 @@ class SpeculativeGenerator:
         if prefix is not None and prefix.copies:
             # the prompt is stored as soon as it is read (a store that copies): a request arriving while this one
             # answers reads the prefix they share from here instead of reading it again
-            prefix.save(list(prompt_ids), verifier.cache, min(self._kept(verifier, prompt_ids), len(prompt_ids)))
-            if self._reader is not None:
-                prefix.done_reading(self._reader)
-                self._reader = None
+            prefix.save(list(prompt_ids), verifier.cache, self._kept(verifier, prompt_ids))
+            self._done_reading(prefix)
         state = DraftState(tokens=list(prompt_ids), prompt_len=len(prompt_ids), segments=segments or [])
         t0 = time.perf_counter()
         self.drafter.prepare(state)
