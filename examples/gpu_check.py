@@ -3,12 +3,15 @@
     python examples/gpu_check.py env   --out OUT
     python examples/gpu_check.py curve --out OUT --shape qwen2.5-7b [--device cuda] [--context 1024]
     python examples/gpu_check.py index --out OUT --corpus DIR --embedder NAME_OR_FOLDER [--device cuda] [--sample N]
+    python examples/gpu_check.py load  --out OUT --prompts question.jsonl [--device cuda] [--clients 1,32]
 
 `curve`: t(n) for n = 1…256 over a `context`-token cache, prefill speed, and one ragspec step's split (inputs,
 forward, accept, trim) for a model of a real architecture's shape with random weights: speed only, never
 quality. `bench-replay --cost` projects recorded runs over such a curve. `index`: chunks/s of an index build
 on `device` beside the CPU (a sample of the corpus for both, then the whole corpus on `device`), which search
-an index on that device runs, and whether its top 5 agree with the CPU index's.
+an index on that device runs, and whether its top 5 agree with the CPU index's. `load`: SmolLM2's generations at
+once on the static verifier, their steps packed into one bucket's forward (one graph replay on CUDA), against the
+same prompts one after another: tokens/s each way, and how many answers equal the lone ones.
 """
 
 from __future__ import annotations
@@ -247,6 +250,68 @@ def cmd_index(a) -> None:
     print(json.dumps({k: result.get(k) for k in ("speedup", "search_on_" + a.device, "top5_overlap_cpu_vs_device")}))
 
 
+def cmd_load(a) -> None:
+    import threading
+
+    os.environ["RAGSPEC_STATIC_VERIFIER"] = "1"  # CUDA's default; on the CPU the same steps run eagerly
+    from ragspec.bench.decoding import chat_ids, load_prompts
+    from ragspec.decoding.backends import describe, step_batcher
+    from ragspec.decoding.drafters import make_drafter
+    from ragspec.decoding.generate import SpeculativeGenerator
+    from ragspec.models.generator import load_generator, model_lock
+
+    model, tok = load_generator("smollm2-135m-instruct", device=a.device, dtype=a.dtype)
+    texts = [p["turns"][0] for p in load_prompts(a.prompts, "all", None)]
+    batcher = step_batcher(model, model_lock(model))
+
+    def answer(ids, shared=None):
+        gen = SpeculativeGenerator(model, tok, drafter=make_drafter(a.method, model, tok), max_new_tokens=a.new)
+        for _ in gen.stream(ids, batcher=shared):
+            pass
+        return gen.tokens
+
+    def timed(fn):
+        t = time.perf_counter()
+        out = fn()
+        if a.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+        return out, time.perf_counter() - t
+
+    def at_once(prompts):
+        got: list = [None] * len(prompts)
+
+        def run(i):
+            got[i] = answer(prompts[i], batcher)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return got
+
+    answer(chat_ids(tok, texts[0]))  # the buckets' graphs captured, kernels chosen
+    rows = []
+    for c in [int(x) for x in a.clients.split(",")]:
+        prompts = [chat_ids(tok, texts[i % len(texts)]) for i in range(c)]
+        alone, alone_s = timed(lambda ps=prompts: [answer(p) for p in ps])
+        b0, r0 = batcher.batches, batcher.batched_rows
+        got, together_s = timed(lambda ps=prompts: at_once(ps))
+        tokens = sum(len(x) for x in alone)
+        rows.append({"clients": c, "tokens": tokens, "one_after_another_s": round(alone_s, 3),
+                     "at_once_s": round(together_s, 3), "tokens_per_s_one_after_another": round(tokens / alone_s, 1),
+                     "tokens_per_s_at_once": round(tokens / together_s, 1),
+                     "throughput_ratio": round(alone_s / together_s, 2),
+                     "identical": sum(x == y for x, y in zip(got, alone)), "batches": batcher.batches - b0,
+                     "rows_per_batch": round((batcher.batched_rows - r0) / max(1, batcher.batches - b0), 1)})
+        print(json.dumps(rows[-1]))
+    write(a.out, f"load-{a.device}.json", {"machine": machine(), "model": "smollm2-135m-instruct", "dtype": a.dtype,
+                                           "verifier": describe(model), "method": a.method,
+                                           "max_new_tokens": a.new, "rows": rows})
+
+
 def cmd_summary(a) -> None:
     """The short table the device call's reply ends with (full figures stay in the JSON files)."""
     import xml.etree.ElementTree as ET
@@ -284,6 +349,12 @@ def cmd_summary(a) -> None:
         lines.append("index: " + "; ".join(f"{k} {v['chunks_per_s']} chunks/s ({v['chunks']} chunks)"
                                            for k, v in i["runs"].items())
                      + f"; search {i.get('search_on_' + a.device)}; top-5 overlap {i.get('top5_overlap_cpu_vs_device')}")
+    load = a.out / f"load-{a.device}.json"
+    if load.exists():
+        lines.append("load (" + json.loads(load.read_text())["verifier"] + "): " + "; ".join(
+            f"{r['clients']} at once {r['throughput_ratio']}x one after another ({r['tokens_per_s_at_once']} tok/s), "
+            f"{r['identical']}/{r['clients']} identical, {r['rows_per_batch']} rows a batch"
+            for r in json.loads(load.read_text())["rows"]))
     print("\n".join(lines))
 
 
@@ -291,7 +362,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     default_device = "cuda" if os.environ.get("DEVICE", "cuda") == "cuda" else "cpu"
-    for name in ("env", "curve", "profile", "index", "summary"):
+    for name in ("env", "curve", "profile", "index", "load", "summary"):
         p = sub.add_parser(name)
         p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-check-out"))
         p.add_argument("--device", default=default_device, choices=["cpu", "cuda"])
@@ -306,8 +377,14 @@ def main() -> None:
             p.add_argument("--corpus", type=Path, required=True)
             p.add_argument("--embedder", default="all-minilm-l6-v2")
             p.add_argument("--sample", type=int, default=60, help="files indexed on both devices")
+        if name == "load":
+            p.add_argument("--prompts", type=Path, required=True)
+            p.add_argument("--clients", default="1,32")
+            p.add_argument("--method", default="suffix")
+            p.add_argument("--new", type=int, default=128)
+            p.add_argument("--dtype", default="float32")
     a = ap.parse_args()
-    {"env": cmd_env, "curve": cmd_curve, "profile": cmd_profile, "index": cmd_index,
+    {"env": cmd_env, "curve": cmd_curve, "profile": cmd_profile, "index": cmd_index, "load": cmd_load,
      "summary": cmd_summary}[a.cmd](a)
 
 

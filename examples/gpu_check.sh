@@ -8,10 +8,11 @@
 #   bash examples/gpu_check.sh gather                     # call 2 (.dev/b: model part 2), at once (30 s warm)
 #   bash examples/gpu_check.sh gather join tests index    # call 3 (.dev/c: MiniLM, data), ~220 s
 #   bash examples/gpu_check.sh bench summary              # call 4, ~240 s (20 prompts x 8 methods)
+#   bash examples/gpu_check.sh load summary               # SmolLM2 at 1, 8, 32 clients on the static verifier
 # Measured on an H100 (2026-11-26, static verifier): the four calls fit one 15-minute lease with ~5 minutes left.
 # `profile` (with the shapes and CURVE_DTYPES of `curve`) writes each one-row step's kernels by device time.
 # Anywhere (CI does, tests/test_gpu_check.py): DEVICE=cpu QUICK=1 PROMPTS=F CORPUS=D bash examples/gpu_check.sh \
-#   env curve profile tests bench index summary
+#   env curve profile tests bench index load summary
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -81,15 +82,19 @@ index() {
   $PY examples/gpu_check.py index --out "$OUT" --device "$DEVICE" --corpus "$CORPUS" --embedder "$(embedder)" \
     --sample "$SAMPLE"
 }
+load() {  # generations at once on the static verifier (continuous batching) against one after another
+  $PY examples/gpu_check.py load --out "$OUT" --device "$DEVICE" --prompts "$PROMPTS" --dtype "$DTYPE" \
+    --new "$NEW" --clients "$([ "$QUICK" = 1 ] && echo 1,3 || echo "${CLIENTS:-1,8,32}")" 2>&1 | tail -5
+}
 summary() { $PY examples/gpu_check.py summary --out "$OUT" --device "$DEVICE"; }
 
 for stage in "$@"; do
   t0=$(date +%s)
   echo "== $stage ($(date -u +%T))"
   case $stage in
-    gather|install|join|curve|profile|tests|bench|index|summary) $stage ;;
+    gather|install|join|curve|profile|tests|bench|index|load|summary) $stage ;;
     env) env_ ;;
-    *) echo "unknown stage '$stage' (gather install join env curve profile tests bench index summary)"; exit 2 ;;
+    *) echo "unknown stage '$stage' (gather install join env curve profile tests bench index load summary)"; exit 2 ;;
   esac
   rc=$?
   echo "== $stage: $(( $(date +%s) - t0 )) s (exit $rc)"

@@ -26,7 +26,7 @@ def test_device_check_runs_on_the_cpu(tmp_path):
     env = dict(os.environ, DEVICE="cpu", QUICK="1", OUT=str(out), PROMPTS=str(prompts), PYTHON=sys.executable,
                CORPUS=str(write_corpus(tmp_path / "corpus")), WORK=str(tmp_path / "work"))
     r = subprocess.run(["bash", str(REPO / "examples/gpu_check.sh"), "env", "curve", "profile", "tests", "bench", "index",
-                        "summary"], env=env, capture_output=True, text=True, timeout=900)
+                        "load", "summary"], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "(exit 1)" not in r.stdout and "(exit 2)" not in r.stdout, r.stdout[-3000:]
     curve = json.loads((out / "curve-tiny-float32-cpu.json").read_text())
@@ -39,4 +39,7 @@ def test_device_check_runs_on_the_cpu(tmp_path):
         assert bench["categories"][cat]["methods"]["suffix"]["identical"] == 1
     index = json.loads((out / "index-cpu.json").read_text())
     assert index["runs"]["cpu"]["chunks"] > 0 and index["search_on_cpu"] == "faiss (cpu)"
-    assert "tests: tests" in r.stdout and "bench rag" in r.stdout  # the summary's lines
+    load = json.loads((out / "load-cpu.json").read_text())
+    assert [(row["clients"], row["identical"]) for row in load["rows"]] == [(1, 1), (3, 3)]
+    assert load["rows"][1]["batches"] > 0 and load["verifier"] == "transformers static cache"
+    assert "tests: tests" in r.stdout and "bench rag" in r.stdout and "load (" in r.stdout  # the summary's lines

@@ -1,6 +1,7 @@
 """The static verifier (decoding/backends/static_verifier.py), run eagerly on the CPU with the real SmolLM2:
-greedy through drafters equals `generate`, a tree's rows equal the dynamic backend's, the slot cache doubles
-mid-generation without changing a token, forks are independent, sampling through it keeps the distribution, and
+greedy through drafters equals `generate`, a tree's rows equal the dynamic backend's, a generation's region of the
+slot cache moves when full without changing a token, generations running at once share the cache (each in its own
+region) and, under a step batcher, their forwards, answering as alone; forks are independent, sampling through it keeps the distribution, and
 the choice of backend follows `RAGSPEC_STATIC_VERIFIER` (PLD+ drafters stay on the dynamic one). On a GPU the same
 steps replay CUDA graphs: tests/test_cuda.py runs every drafter through them there. And the backends' t(n)
 calibration, which the static verifier measures with its own steps, runs once when two loads race."""
@@ -87,40 +88,77 @@ def test_tree_rows_equal_the_dynamic_backend(smol, cases):
     assert torch.allclose(fixed.score(nxt).float(), dynamic.score(nxt).float(), atol=1e-3 * want.abs().max().item())
 
 
-def test_cache_doubles_mid_generation(static, smol, cases, monkeypatch):
-    """A cache of little room beyond the prompt grows (twice) while drafts run: the tokens stay greedy's."""
+def test_a_full_region_moves_mid_generation(static, smol, cases, monkeypatch):
+    """A region of little room beyond the prompt fills while drafts run: it moves to one twice as large, its rows
+    with it, the buffer growing to hold it, and the tokens stay greedy's."""
     model, tok = smol
     monkeypatch.setattr(static_verifier, "ROOM", 8)
     monkeypatch.setattr(static_verifier, "_capacity", lambda slots: slots)  # no power-of-two headroom
+    static_verifier._HELD.pop(model, None)
     prompt, ref = cases[1]
     gen = SpeculativeGenerator(model, tok, drafter=make_drafter("suffix", model, tok), max_new_tokens=48,
                                budget=AdaptiveBudget(FLAT))
-    grown = []
-    real = StaticBackend._grow
-    monkeypatch.setattr(StaticBackend, "_grow", lambda self, cap: (grown.append(cap), real(self, cap)))
+    moves, grown = [], []
+    take, grow = static_verifier.Held.take, static_verifier.Held.grow
+    monkeypatch.setattr(static_verifier.Held, "take",
+                        lambda self, *a, keep=None: (keep and moves.append(keep), take(self, *a, keep=keep))[1])
+    monkeypatch.setattr(static_verifier.Held, "grow", lambda self, cap: (grown.append(cap), grow(self, cap)))
     gen.generate(prompt)
-    assert gen.tokens == ref and len(grown) >= 2
+    assert gen.tokens == ref and moves and grown
 
 
-def test_generations_reuse_the_cache_unless_held(smol, cases):
-    """A closed generation hands its slot cache (and on CUDA its graphs) to the model's next one; a generation
-    running beside another gets its own."""
+def test_generations_share_the_cache_each_in_its_own_region(smol, cases):
+    """Generations running at once write one slot cache, each in a region of its own past the scratch slots; a
+    closed generation's region (and on CUDA the graphs) serve the model's next one, and its steps are its own."""
     model, _ = smol
     prompt = cases[0][0]
-    static_verifier._HELD.pop(model, None)  # a backend of an earlier test, never closed, may hold it
+    static_verifier._HELD.pop(model, None)
     first = StaticBackend(model, SamplingSettings())
     first.prefill(prompt)
-    kept = first.cache
     beside = StaticBackend(model, SamplingSettings())
     beside.prefill(prompt)
-    assert beside.cache is not kept
+    assert beside.cache is first.cache
+    (a0, a1), (b0, b1) = (static_verifier._HELD[model].regions[x._owner] for x in (first, beside))
+    assert static_verifier.SCRATCH <= a0 < a1 <= b0 < b1 and first.base == a0 and beside.base == b0
     tokens = first.step(branching_tree()).tokens
+    assert beside.step(branching_tree()).tokens == tokens
     first.close()
     beside.close()
+    assert not static_verifier._HELD[model].regions
     nxt = StaticBackend(model, SamplingSettings())
     nxt.prefill(prompt)
-    assert nxt.cache is kept and nxt.step(branching_tree()).tokens == tokens
+    assert nxt.cache is first.cache and nxt.base == static_verifier.SCRATCH
+    assert nxt.step(branching_tree()).tokens == tokens
     nxt.close()
+
+
+@pytest.mark.parametrize("method", ["none", "suffix", "pld", "lookahead"])
+def test_generations_together_share_forwards_and_answer_as_alone(static, smol, cases, method):
+    """Under a step batcher the static verifier's generations pack their rows into one bucket's forward (one
+    graph replay on CUDA): each answer is still greedy's, token for token."""
+    import threading
+
+    from ragspec.decoding.backends import run_steps
+    from ragspec.decoding.step_batcher import StepBatcher
+
+    model, tok = smol
+    batcher = StepBatcher(threading.Lock(), lambda payloads: run_steps(model, payloads))
+    got: dict = {}
+
+    def generation(i):
+        gen = SpeculativeGenerator(model, tok, drafter=make_drafter(method, model, tok), max_new_tokens=48,
+                                   budget=AdaptiveBudget(FLAT))
+        "".join(d.text for d in gen.stream(cases[i][0], batcher=batcher))
+        got[i] = gen.tokens
+
+    threads = [threading.Thread(target=generation, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got.get(i) for i in range(len(cases))] == [ref for _, ref in cases], method
+    assert batcher.batches > 0 and batcher.generations == 0
+    assert not static_verifier._HELD[model].regions  # every region given back
 
 
 def test_forks_are_independent(smol, cases):

@@ -38,33 +38,45 @@ _batchers_guard = threading.Lock()
 
 def step_batcher(model, lock: threading.Lock | None = None):
     """The model's `StepBatcher` (one per model object, made on first call with the model's `lock`) where its
-    backend can batch steps across generations (the dynamic transformers backend), else None (llama.cpp, the
-    static verifier): their generations keep the model to themselves. Without `lock`: the existing one, if any."""
+    backend can batch steps across generations (the transformers backends), else None (llama.cpp): its
+    generations keep the model to themselves. Without `lock`: the existing one, if any."""
     with _batchers_guard:
         found = _batchers.get(model)
-        if found is not None or lock is None or backend_class(model).__name__ != "TransformersBackend":
+        if found is not None or lock is None or is_llama(model):
             return found
-        from ragspec.decoding.backends.transformers import TransformersBackend
         from ragspec.decoding.step_batcher import StepBatcher
 
         ref = weakref.ref(model)  # the batcher must not keep its model alive
-        made = _batchers[model] = StepBatcher(lock, lambda payloads: TransformersBackend.run_steps(ref(), payloads))
+        made = _batchers[model] = StepBatcher(lock, lambda payloads: run_steps(ref(), payloads))
         return made
+
+
+def run_steps(model, payloads: list[tuple]):
+    """Several generations' steps as one forward, by the backend that made them (the static verifier's payloads
+    start with "static"): each one's logits, or None where they cannot share one."""
+    from ragspec.decoding.backends.static_verifier import StaticBackend
+    from ragspec.decoding.backends.transformers import TransformersBackend
+
+    static = [p[0] == "static" for p in payloads]
+    if all(static):
+        return StaticBackend.run_steps(model, payloads)
+    return None if any(static) else TransformersBackend.run_steps(model, payloads)
 
 
 def make_backend(model, sampling, hidden_layer=None, attention_heads=(), predictions=False,
                  batcher=None) -> Backend:
     """A fresh verifier for one generation on `model`. `predictions`: return every row's argmax per step.
     PLD+ drafters (hidden states, attention rows) run on the dynamic transformers backend. `batcher`: a
-    `step_batcher.StepBatcher`, taken by the backend whose steps can share forwards (the dynamic transformers
-    one, without PLD+'s hidden states or attention rows); the others run without it."""
+    `step_batcher.StepBatcher`, taken by the backends whose steps can share forwards (the transformers ones,
+    without PLD+'s hidden states or attention rows); the others run without it."""
     cls = backend_class(model)
     if hidden_layer is not None or attention_heads:
         from ragspec.decoding.backends.transformers import TransformersBackend
 
         cls = TransformersBackend if cls.__name__ == "StaticBackend" else cls
     kw = {"predictions": True} if predictions else {}
-    if batcher is not None and cls.__name__ == "TransformersBackend" and hidden_layer is None and not attention_heads:
+    if batcher is not None and cls.__name__ in ("TransformersBackend", "StaticBackend") and hidden_layer is None \
+            and not attention_heads:
         kw["batcher"] = batcher
     return cls(model, sampling, hidden_layer=hidden_layer, attention_heads=attention_heads, **kw)
 

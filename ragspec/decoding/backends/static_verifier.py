@@ -8,7 +8,13 @@ its prefix and its ancestors and hides the rest (padding, rows of earlier steps 
 bucket's forward is captured once as a CUDA graph and then replayed: one launch a step. Accepting a path moves
 its out-of-place rows; nothing is trimmed, rows past the cached length are hidden and later overwritten. The
 cache, the input buffers and the graphs outlive a generation: the model's next generation reuses them (a capture
-costs a few forwards, too much to pay per answer), unless another generation holds them at that moment.
+costs a few forwards, too much to pay per answer).
+
+Generations running at once share that one buffer, each in a region of its own slots (`Held.take`), so the rows
+of several generations' steps pack into one bucket and one replay (continuous batching, `run_parts`): each row
+writes at its generation's slots and its mask shows only its region's prefix and its tree ancestors. A forward's
+padding rows write into the buffer's first `SCRATCH` slots, which no mask shows. A region that fills moves to a
+larger one; the buffer grows (graphs recaptured) when the regions need it, and shrinks back once none is held.
 
 Without CUDA the same path runs eagerly (the tests check it on the CPU); `RAGSPEC_STATIC_VERIFIER` picks it:
 `auto` (default: on CUDA), `1` (everywhere), `0` (never). A generation that needs what only the dynamic
@@ -19,6 +25,7 @@ source KV cache and a prefix store are not used here (a GPU reads a prompt at ~3
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 import warnings
@@ -35,7 +42,8 @@ from ragspec.decoding.tree import DraftTree
 from ragspec.errors import check_cancel
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows a forward runs, padded up; one CUDA graph each
-ROOM = 1024  # slots a cache holds beyond the prompt before it doubles
+ROOM = 1024  # slots a generation's region holds beyond its prompt before it moves to one twice as large
+SCRATCH = BUCKETS[-1]  # the buffer's first slots: where a bucket's padding rows write (no mask shows them)
 
 
 def wanted(model) -> bool:
@@ -60,26 +68,65 @@ def bucket(rows: int) -> int:
 
 @dataclass
 class Held:
-    """A slot cache with its input buffers and captured graphs, kept per model between generations."""
+    """A slot cache with its input buffers and captured graphs, kept per model between generations and shared by
+    the generations running at once, each in its own region of slots. Every use holds `lock`."""
 
     cache: DynamicCache | None = None
     graphs: dict = field(default_factory=dict)  # bucket -> (graph, its logits output)
     inputs: dict = field(default_factory=dict)  # bucket -> (int buffer [3, N]: ids, positions, slots; mask)
-    busy: bool = False
+    regions: dict = field(default_factory=dict)  # owner key -> [start, end) slots it holds
+    graph_error: str | None = None  # why a capture failed, if one did (steps then run eagerly)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.layers[0].capacity
+
+    def take(self, model, owner: int, size: int, keep: tuple[int, int] | None = None) -> int:
+        """A region of `size` slots for `owner` (the first free gap after the scratch slots, the buffer grown
+        where none fits; emptied and made small again while nobody holds a region). `keep` = (start, n): the
+        owner's current region, whose first n slots move to the new one and which is then freed."""
+        if self.cache is None or (not self.regions and self.capacity > 2 * _capacity(SCRATCH + size)):
+            self.cache = slot_cache(model.config, _capacity(SCRATCH + size))
+            self.graphs.clear()
+            self.inputs.clear()
+        start = SCRATCH
+        for a, b in sorted(self.regions.values()):
+            if a - start >= size:
+                break
+            start = max(start, b)
+        if start + size > self.capacity:
+            self.grow(_capacity(start + size))
+        if keep is not None and keep[1]:
+            src = torch.arange(keep[0], keep[0] + keep[1], device=self.cache.layers[0].keys.device)
+            for layer in self.cache.layers:
+                if layer.is_initialized:
+                    layer.keys[:, :, src - keep[0] + start] = layer.keys[:, :, src]
+                    layer.values[:, :, src - keep[0] + start] = layer.values[:, :, src]
+        self.regions[owner] = (start, start + size)
+        return start
+
+    def release(self, owner: int) -> None:
+        self.regions.pop(owner, None)
+
+    def grow(self, capacity: int) -> None:
+        """Buffers of `capacity` slots holding the old ones' rows; the captured graphs and inputs go (their
+        shapes name the old width)."""
+        for layer in self.cache.layers:
+            layer.grow(capacity)
+        self.graphs.clear()
+        self.inputs.clear()
 
 
 _HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Held
 _LOCK = threading.Lock()
+_OWNERS = itertools.count(1)
 
 
-def acquire(model) -> Held:
-    """The model's kept cache and graphs, marked busy; a private set while another generation holds them."""
+def held_by(model) -> Held:
+    """The model's shared slot cache and graphs (made empty on first use)."""
     with _LOCK:
-        held = _HELD.setdefault(model, Held())
-        if held.busy:
-            return Held(busy=True)
-        held.busy = True
-        return held
+        return _HELD.setdefault(model, Held())
 
 
 class Slots:
@@ -126,8 +173,97 @@ def slot_cache(config, capacity: int) -> DynamicCache:
     return cache
 
 
+@dataclass
+class Part:
+    """One generation's rows of a forward: token ids, positions, the slots they write, and their mask over the
+    generation's region (columns from its first slot `base`)."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    base: int
+    mask: torch.Tensor  # [rows, width] additive, the dtype's minimum where hidden
+
+
+@torch.inference_mode()
+def run_parts(model, held: Held, parts: list[Part]) -> list[torch.Tensor]:
+    """The rows of `parts` as one bucket's forward (a graph replay on CUDA): each part's logits [rows, vocab].
+    Padding rows write the scratch slots and see slot 0 only; no part's mask shows another's region."""
+    with held.lock:
+        sizes = [len(p.ids) for p in parts]
+        total = sum(sizes)
+        size = bucket(total)
+        ints, mask = _buffers(model, held, size)
+        host = torch.zeros((3, size), dtype=torch.long)
+        at = 0
+        for p, r in zip(parts, sizes):
+            host[0, at : at + r] = torch.tensor(p.ids)
+            host[1, at : at + r] = torch.tensor(p.positions)
+            host[2, at : at + r] = torch.tensor(p.slots)
+            at += r
+        host[2, total:] = torch.arange(size - total)
+        ints.copy_(host)
+        mask.fill_(torch.finfo(mask.dtype).min)
+        at = 0
+        for p, r in zip(parts, sizes):
+            mask[0, 0, at : at + r, p.base : p.base + p.mask.shape[1]] = p.mask.to(mask.device, mask.dtype)
+            at += r
+        mask[0, 0, total:, 0] = 0
+        logits = _run(model, held, size)[0, :total]
+        return [x.clone() for x in logits.split(sizes)]
+
+
+def _buffers(model, held: Held, size: int):
+    if size not in held.inputs:
+        param = next(model.parameters())
+        ints = torch.zeros((3, size), dtype=torch.long, device=param.device)
+        mask = torch.zeros((1, 1, size, held.capacity), dtype=param.dtype, device=param.device)
+        held.inputs[size] = (ints, mask)
+    return held.inputs[size]
+
+
+def _forward_bucket(model, held: Held, size: int):
+    ints, mask = held.inputs[size]
+    held.cache.slots.active = ints[2]
+    return model(input_ids=ints[0:1], position_ids=ints[1:2], attention_mask=mask,
+                 **cache_arg(model, held.cache), use_cache=True).logits
+
+
+def _run(model, held: Held, size: int) -> torch.Tensor:
+    """The bucket's logits [1, size, vocab]: a graph replay on CUDA (captured at first use), else eager."""
+    if held.graph_error is not None or next(model.parameters()).device.type != "cuda" \
+            or not StaticBackend.graphs_wanted(model):
+        return _forward_bucket(model, held, size)
+    if size not in held.graphs:
+        try:
+            held.graphs[size] = _record(model, held, size)
+        except Exception as err:  # noqa: BLE001 - an op that cannot be captured: run eagerly from now on
+            held.graph_error = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            warnings.warn(f"CUDA graph capture failed, the verifier runs eagerly: {held.graph_error}", stacklevel=2)
+            torch.cuda.synchronize()
+            return _forward_bucket(model, held, size)
+    graph, out = held.graphs[size]
+    graph.replay()
+    return out
+
+
+def _record(model, held: Held, size: int):
+    """Warm the bucket's forward up on a side stream (as torch's CUDA graph docs ask), then capture it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            _forward_bucket(model, held, size)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # a pool of its own: buckets replay in any order
+        out = _forward_bucket(model, held, size)
+    return graph, out
+
+
 class StaticBackend(TransformersBackend):
-    """`TransformersBackend`'s steps over a slot cache, replayed from CUDA graphs on a GPU (see the module)."""
+    """`TransformersBackend`'s steps over a region of the model's slot cache, replayed from CUDA graphs on a GPU;
+    with a step batcher, batched with the other generations' steps (see the module)."""
 
     name = "transformers"
     supports_prefix = False  # a prefix store holds dynamic caches
@@ -136,9 +272,9 @@ class StaticBackend(TransformersBackend):
         super().__post_init__()
         if self.hidden_layer is not None or self.attention_heads:
             raise ValueError("the static verifier keeps no hidden states or attention rows: use TransformersBackend")
-        self.graphs_enabled = self.device.type == "cuda" and self.graphs_wanted(self.model)
-        self.graph_error: str | None = None  # why capture failed, if it did (the steps then run eagerly)
         self._held: Held | None = None
+        self._owner = next(_OWNERS)  # this generation's key among the regions
+        self.base = SCRATCH  # the first slot of its region
         self.window = None
 
     @staticmethod
@@ -150,47 +286,56 @@ class StaticBackend(TransformersBackend):
 
         return overridden(options_of(model)).cuda_graphs
 
+    @property
+    def graph_error(self) -> str | None:
+        """Why capture failed, if it did (the steps then run eagerly)."""
+        return self._held.graph_error if self._held is not None else None
+
+    @property
+    def _graphs(self) -> dict:
+        """The captured graphs this generation replays (bucket -> (graph, logits))."""
+        return self._held.graphs if self._held is not None else {}
+
     # -- prefill -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], prefix=None, on_progress=None, cancel=None, sources=None) -> float:
-        """Cache the whole prompt (its last token, the first root, too) in `PREFILL_CHUNK` chunks, eagerly,
-        and keep the root's logits for the first step. `prefix` is not used (see the module); `sources` are
-        computed, not assembled (the plan's `fallback` says so)."""
+        """Cache the whole prompt (its last token, the first root, too) in `PREFILL_CHUNK` chunks, eagerly, into
+        a region of its own, and keep the root's logits for the first step. `prefix` is not used (see the
+        module); `sources` are computed, not assembled (the plan's `fallback` says so)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if sources is not None:
             sources.fallback = "the static (CUDA graph) verifier computes the prompt"
         t = time.perf_counter()
         self.close()
-        self._held = held = acquire(self.model)
-        need = _capacity(len(prompt_ids) + ROOM)
-        if held.cache is None or held.cache.layers[0].capacity < need:
-            held.cache = slot_cache(self.model.config, need)
-            held.graphs.clear()
-            held.inputs.clear()
-        self.cache = held.cache
+        self._held = held = held_by(self.model)
+        with self._turn(), held.lock:
+            self.base = held.take(self.model, self._owner, len(prompt_ids) + ROOM)
+            self.cache = held.cache
         self.cached, self.root, self._hidden = 0, int(prompt_ids[-1]), None
         total = len(prompt_ids)
         lo = torch.finfo(self.dtype).min
         for a, b in chunks(0, total):
             check_cancel(cancel)
-            rows = torch.arange(a, b, device=self.device)
-            cols = torch.arange(self.capacity, device=self.device)
-            mask = torch.where(cols[None, :] <= rows[:, None], 0.0, lo).to(self.dtype)[None, None]
-            self.cache.slots.active = rows
-            out = self.model(input_ids=torch.tensor([prompt_ids[a:b]], device=self.device), position_ids=rows[None],
-                             attention_mask=mask, **cache_arg(self.model, self.cache), use_cache=True,
-                             logits_to_keep=1)
+            with self._turn(), held.lock:
+                rows = torch.arange(a, b, device=self.device)
+                cols = torch.arange(held.capacity, device=self.device)[None, :] - self.base
+                mask = torch.where((cols >= 0) & (cols <= rows[:, None]), 0.0, lo).to(self.dtype)[None, None]
+                held.cache.slots.active = rows + self.base
+                out = self.model(input_ids=torch.tensor([prompt_ids[a:b]], device=self.device),
+                                 position_ids=rows[None], attention_mask=mask,
+                                 **cache_arg(self.model, held.cache), use_cache=True, logits_to_keep=1)
+                last = out.logits[0, -1].clone()
             self.cached = b
             if on_progress is not None:
                 on_progress(b, total)
-        self._root_logits = out.logits[0, -1].clone()
+        self._root_logits = last
         check_cancel(cancel)
         return (time.perf_counter() - t) * 1000
 
     @property
     def capacity(self) -> int:
-        return self.cache.layers[0].capacity
+        return self._held.capacity
 
     # -- one step ------------------------------------------------------------------------------------------
     def _logits(self, tree: DraftTree):
@@ -201,92 +346,32 @@ class StaticBackend(TransformersBackend):
         root_at = self.cached - 1 if first else self.cached
         lead = [] if first else [self.root]
         rows = len(lead) + len(tree)
-        size = bucket(rows)
-        if self.cached + size > self.capacity:
-            self._grow(_capacity(self.cached + size + ROOM))
-        ints, mask = self._buffers(size)
-        host = torch.zeros((3, size), dtype=torch.long)
-        host[0, :rows] = torch.tensor(lead + tree.tokens)
-        pos = tree.position_ids(root_at)[1 if first else 0 :]
-        host[1, :rows] = torch.tensor(pos)
-        host[1, rows:] = pos[-1]
-        host[2] = torch.arange(self.cached, self.cached + size)
-        m = torch.full((size, self.capacity), torch.finfo(self.dtype).min, dtype=self.dtype)
-        tree_mask = tree.attention_mask(root_at, self.dtype)[0, 0, 1 if first else 0 :]
-        m[:rows, : tree_mask.shape[1]] = tree_mask
-        m[rows:, 0] = 0  # padding rows see slot 0 only: their outputs and cached rows are never read
-        ints.copy_(host)
-        mask.copy_(m[None, None])
+        start, end = self._held.regions[self._owner]
+        if self.base + self.cached + rows > end:  # the region is full: to one twice as large
+            with self._turn(), self._held.lock:
+                self.base = self._held.take(self.model, self._owner, max(2 * (end - start), self.cached + rows + ROOM),
+                                            keep=(self.base, self.cached))
+        at = self.base + self.cached
+        part = Part(ids=lead + tree.tokens, positions=tree.position_ids(root_at)[1 if first else 0 :],
+                    slots=list(range(at, at + rows)), base=self.base,
+                    mask=tree.attention_mask(root_at, self.dtype)[0, 0, 1 if first else 0 :])
         t1 = time.perf_counter()
-        logits = self._run(size)[0, :rows]
+        if self.batcher is not None:  # batched with other generations' steps
+            logits = self.batcher.step(rows, lambda: run_parts(self.model, self._held, [part])[0],
+                                       ("static", self._held, part))
+        else:
+            logits = run_parts(self.model, self._held, [part])[0]
         if first:
             logits = torch.cat([self._root_logits[None].to(logits.dtype), logits])
         return logits, None, first, t1
 
-    @property
-    def _graphs(self) -> dict:
-        return self._held.graphs
-
-    @property
-    def _inputs(self) -> dict:
-        return self._held.inputs
-
     def close(self) -> None:
-        """Hand the cache and graphs back for the model's next generation."""
+        """Give this generation's region back; the cache and graphs stay for the model's next generations."""
         super().close()
         if self._held is not None:
-            self._held.busy = False
+            with self._held.lock:
+                self._held.release(self._owner)
             self._held = None
-
-    def _buffers(self, size: int):
-        if size not in self._inputs:
-            ints = torch.zeros((3, size), dtype=torch.long, device=self.device)
-            mask = torch.zeros((1, 1, size, self.capacity), dtype=self.dtype, device=self.device)
-            self._inputs[size] = (ints, mask)
-        return self._inputs[size]
-
-    def _forward_bucket(self, size: int):
-        ints, mask = self._inputs[size]
-        self.cache.slots.active = ints[2]
-        return self.model(input_ids=ints[0:1], position_ids=ints[1:2], attention_mask=mask,
-                          **cache_arg(self.model, self.cache), use_cache=True).logits
-
-    def _run(self, size: int) -> torch.Tensor:
-        """The bucket's logits [1, size, vocab]: a graph replay on CUDA (captured at first use), else eager."""
-        if not self.graphs_enabled:
-            return self._forward_bucket(size)
-        if size not in self._graphs:
-            try:
-                self._graphs[size] = self._record(size)
-            except Exception as err:  # noqa: BLE001 - an op that cannot be captured: run eagerly from now on
-                self.graph_error = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-                self.graphs_enabled = False
-                warnings.warn(f"CUDA graph capture failed, the verifier runs eagerly: {self.graph_error}",
-                              stacklevel=2)
-                torch.cuda.synchronize()
-                return self._forward_bucket(size)
-        graph, out = self._graphs[size]
-        graph.replay()
-        return out
-
-    def _record(self, size: int):
-        """Warm the bucket's forward up on a side stream (as torch's CUDA graph docs ask), then capture it."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward_bucket(size)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # a pool of its own: buckets replay in any order
-            out = self._forward_bucket(size)
-        return graph, out
-
-    def _grow(self, capacity: int) -> None:
-        for layer in self.cache.layers:
-            layer.grow(capacity)
-        self._graphs.clear()
-        self._inputs.clear()
 
     @torch.inference_mode()
     def score(self, tree: DraftTree):
@@ -298,30 +383,41 @@ class StaticBackend(TransformersBackend):
         return logits.clone()
 
     def _keep(self, rows: list[int], n: int) -> None:
-        """Keep the accepted rows of this step's inputs (input row r sits at slot cached + r): only the
+        """Keep the accepted rows of this step's inputs (input row r sits at slot base + cached + r): only the
         out-of-place ones move; nothing is trimmed."""
-        base = self.cached
-        moved = [(base + i, base + r) for i, r in enumerate(rows) if r != i]
+        at = self.base + self.cached
+        moved = [(at + i, at + r) for i, r in enumerate(rows) if r != i]
         if moved:
             dst = torch.tensor([d for d, _ in moved], device=self.device)
             src = torch.tensor([s for _, s in moved], device=self.device)
-            for layer in self.cache.layers:
-                layer.keys[:, :, dst] = layer.keys[:, :, src]
-                layer.values[:, :, dst] = layer.values[:, :, src]
-        self.cached = base + len(rows)
+            with self._held.lock:
+                for layer in self._held.cache.layers:
+                    layer.keys[:, :, dst] = layer.keys[:, :, src]
+                    layer.values[:, :, dst] = layer.values[:, :, src]
+        self.cached += len(rows)
 
     def fork(self) -> StaticBackend:
-        """A copy with its own slot cache (cloned), no captured graphs, and the same random stream."""
+        """A copy with a slot cache of its own (cloned), no captured graphs, the same random stream, and no
+        batcher (its steps run alone)."""
         import copy
 
         twin = copy.copy(self)
-        twin.cache = slot_cache(self.model.config, self.capacity)
-        twin._held = Held(cache=twin.cache, busy=True)
-        for mine, theirs in zip(twin.cache.layers, self.cache.layers):
-            if theirs.is_initialized:
-                mine.dtype, mine.device, mine.is_initialized = theirs.dtype, theirs.device, True
-                mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
+        held = Held()
+        with self._held.lock:
+            held.cache = slot_cache(self.model.config, self.capacity)
+            for mine, theirs in zip(held.cache.layers, self._held.cache.layers):
+                if theirs.is_initialized:
+                    mine.dtype, mine.device, mine.is_initialized = theirs.dtype, theirs.device, True
+                    mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
+            twin._owner = next(_OWNERS)
+            held.regions[twin._owner] = self._held.regions[self._owner]
+        twin._held, twin.cache, twin.batcher = held, held.cache, None
         return twin
+
+    @staticmethod
+    def run_steps(model, payloads: list[tuple]):
+        """Several generations' steps ("static", held, Part) as one bucket's forward (`StepBatcher.run_many`)."""
+        return run_parts(model, payloads[0][1], [p[2] for p in payloads])
 
     # -- t(n) calibration ----------------------------------------------------------------------------------
     @staticmethod
