@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 STRAGGLER_S = 0.02  # the longest a forward waits for a generation still busy with its own work
+IDLE_WAIT_S = 0.5  # a waiter's longest sleep (a safety net: every change that lets a waiter on notifies it)
 MAX_ROWS = 256  # rows of one batched forward (a draft tree's largest); more waiting rows go to the next batch
 
 
@@ -204,7 +205,13 @@ class StepBatcher:
         return self._quiet(ticket[2])
 
     def _wait_s(self) -> float:
-        return STRAGGLER_S / 4
+        """How long a waiter sleeps before it looks again: until the next straggler deadline of a waiting step or
+        turn (the one change nobody announces), else until notified. Every other change notifies, and a waiter
+        that woke every few milliseconds would take the interpreter from the forward running beside it."""
+        now = time.monotonic()
+        ahead = [at + STRAGGLER_S for at in [s.at for s in self._steps[:1]] + [t[2] for t in self._turns]
+                 if at + STRAGGLER_S > now]
+        return min(ahead) - now + 0.001 if ahead and not self._busy else IDLE_WAIT_S
 
     def _take(self) -> list[_Step]:
         """The waiting steps, first come first served, up to MAX_ROWS rows (the first always)."""
