@@ -1,7 +1,8 @@
 """The static verifier (decoding/backends/static_verifier.py), run eagerly on the CPU with the real SmolLM2:
 greedy through drafters equals `generate`, a tree's rows equal the dynamic backend's, a generation's region of the
 slot cache moves when full without changing a token, generations running at once share the cache (each in its own
-region) and, under a step batcher, their forwards, answering as alone; forks are independent, sampling through it keeps the distribution, and
+region) and, under a step batcher, their forwards, answering as alone, and a cancelled one gives its region back
+at once; forks are independent, sampling through it keeps the distribution, and
 the choice of backend follows `RAGSPEC_STATIC_VERIFIER` (PLD+ drafters stay on the dynamic one). On a GPU the same
 steps replay CUDA graphs: tests/test_cuda.py runs every drafter through them there. And the backends' t(n)
 calibration, which the static verifier measures with its own steps, runs once when two loads race."""
@@ -159,6 +160,49 @@ def test_generations_together_share_forwards_and_answer_as_alone(static, smol, c
     assert [got.get(i) for i in range(len(cases))] == [ref for _, ref in cases], method
     assert batcher.batches > 0 and batcher.generations == 0
     assert not static_verifier._HELD[model].regions  # every region given back
+
+
+def test_a_cancelled_generation_gives_its_region_back_at_once(static, smol, cases):
+    """Under a step batcher, a generation cancelled mid-answer leaves at once: its region is free while the other
+    generation still answers, and that one's answer is still greedy's."""
+    import threading
+
+    from ragspec.decoding.backends import run_steps
+    from ragspec.decoding.step_batcher import StepBatcher
+    from ragspec.errors import Cancelled
+
+    model, tok = smol
+    static_verifier._HELD.pop(model, None)
+    batcher = StepBatcher(threading.Lock(), lambda payloads: run_steps(model, payloads))
+    cancel, left, regions_then = threading.Event(), threading.Event(), []
+    out: dict = {}
+
+    def cancelled():
+        gen = SpeculativeGenerator(model, tok, max_new_tokens=200, eos_token_ids=[])
+        try:
+            for i, _ in enumerate(gen.stream(cases[0][0], batcher=batcher, cancel=cancel)):
+                if i == 3:
+                    cancel.set()
+        except Cancelled:
+            out["cancelled"] = True
+        finally:
+            left.set()
+
+    def other():
+        gen = SpeculativeGenerator(model, tok, max_new_tokens=48)
+        for _ in gen.stream(cases[1][0], batcher=batcher):
+            if left.is_set() and not regions_then:
+                regions_then.append(len(static_verifier._HELD[model].regions))
+        out["other"] = gen.tokens
+
+    threads = [threading.Thread(target=f) for f in (cancelled, other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert out.get("cancelled") and out.get("other") == cases[1][1]
+    assert regions_then == [1], "the cancelled generation's region outlived it"
+    assert not static_verifier._HELD[model].regions
 
 
 def test_forks_are_independent(smol, cases):
