@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ragspec.decoding.backends.accept import accept_greedy, accept_sampled, new_generator, walk
-from ragspec.decoding.backends.base import PREFILL_CHUNK, StepResult, chunks
+from ragspec.decoding.backends.base import MIN_TAIL, PREFILL_CHUNK, StepResult, chunks
 from ragspec.decoding.budget import measured_enough
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.tree import DraftTree
 from ragspec.errors import check_cancel
+from ragspec.runtime.exact_attention import rows_independent
 from ragspec.runtime.growing_cache import growing, stand_in_context
 from ragspec.runtime.model_runtime import runtime_of
 from ragspec.runtime.prompt_mode import prompt_forward, reads_by_role
@@ -136,7 +137,7 @@ class TransformersBackend:
                 self.cached = len(prompt_ids)
                 return (time.perf_counter() - t) * 1000
         total = split - self.cached
-        for a, b in chunks(self.cached, split):
+        for a, b in chunks(self.cached, split, min_tail=MIN_TAIL if rows_independent(self.model) else 0):
             check_cancel(cancel)
             ids = torch.tensor([prompt_ids[a:b]], device=self.device)
             with self._turn(), prompt_forward(b < len(prompt_ids)):  # every position but the root's
