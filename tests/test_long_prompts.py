@@ -52,11 +52,12 @@ def test_chunks_cut_at_multiples_of_the_chunk_size():
     assert chunks(0, 1300, 512) == [(0, 512), (512, 1024), (1024, 1300)]
     assert chunks(700, 1100, 512) == [(700, 1024), (1024, 1100)]
     assert chunks(5, 5, 512) == [] and chunks(0, 512, 512) == [(0, 512)]
-    # where rows are independent a short last piece is read with the one before (one forward, not two)
+    # where rows are independent a short first or last piece is read with its neighbour (one forward, not two)
     assert chunks(0, 538, 512, min_tail=128) == [(0, 538)]
     assert chunks(700, 1100, 512, min_tail=128) == [(700, 1100)]
     assert chunks(0, 1300, 512, min_tail=128) == [(0, 512), (512, 1024), (1024, 1300)]
     assert chunks(600, 700, 512, min_tail=128) == [(600, 700)]
+    assert chunks(500, 1300, 512, min_tail=128) == [(500, 1024), (1024, 1300)]  # a short first piece too
 
 
 def test_chunked_prefill_reports_progress_and_stays_identical_to_greedy(smol):

@@ -29,9 +29,9 @@ MIN_TAIL = 128  # where rows are independent, a prompt's last piece shorter than
 
 def chunks(start: int, end: int, size: int = PREFILL_CHUNK, min_tail: int = 0) -> list[tuple[int, int]]:
     """[start, end) cut at multiples of `size` counted from position 0 (as HF's chunked prefill cuts); with
-    `min_tail`, a last piece shorter than that joins the one before. A forward of a few rows costs almost what
-    one of a hundred does (the quickstart's 538-token prompts, 1.5B, Zen 5: 1157 ms read as 512 + 26, 1071 ms as
-    538, median of 12), so only a model whose rows are computed alike however they are cut may take it."""
+    `min_tail`, a first or last piece shorter than that joins its neighbour. A forward of a few rows costs almost
+    what one of a hundred does (the quickstart's 538-token prompts, 1.5B, Zen 5: 1157 ms read as 512 + 26,
+    1071 ms as 538, median of 12), so only a model whose rows are computed alike however they are cut may take it."""
     out, a = [], start
     while a < end:
         b = min(end, (a // size + 1) * size)
@@ -39,6 +39,8 @@ def chunks(start: int, end: int, size: int = PREFILL_CHUNK, min_tail: int = 0) -
         a = b
     if len(out) > 1 and out[-1][1] - out[-1][0] < min_tail:
         out[-2:] = [(out[-2][0], out[-1][1])]
+    if len(out) > 1 and out[0][1] - out[0][0] < min_tail:  # a prefix reused up to just before a boundary
+        out[:2] = [(out[0][0], out[1][1])]
     return out
 
 
