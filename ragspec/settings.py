@@ -241,8 +241,8 @@ class GeneratorSettings(Strict):
         2048, ge=0, description="source cache: disk bound under $RAGSPEC_HOME/kv (0: memory only)")
     parallel: int = Field(
         16, ge=1, description="generations that run at once on one model (ragspec serve, ask_many, batch): their "
-        "draft steps share forwards (continuous batching, transformers backend), each answer the same as asked "
-        "alone; more wait for a place; 1: one at a time (docs/serving.md)")
+        "draft steps share forwards (continuous batching, transformers backends), each answer on a CPU the same as "
+        "asked alone; more wait for a place; 1: one at a time (docs/serving.md)")
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings,
                                      description="the runtime's kernels and copies (docs/decoding.md)")
 
