@@ -24,7 +24,7 @@ PREFILL_CHUNK = 512
 Progress = Callable[[int, int], None]  # (prompt tokens prefilled so far, prompt tokens to prefill)
 
 
-MIN_TAIL = 128  # where rows are independent, a prompt's last piece shorter than this is read with the one before
+MIN_TAIL = 128  # where rows are independent, a prompt's first or last piece shorter than this joins its neighbour
 
 
 def chunks(start: int, end: int, size: int = PREFILL_CHUNK, min_tail: int = 0) -> list[tuple[int, int]]:

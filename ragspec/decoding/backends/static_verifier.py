@@ -99,10 +99,11 @@ class Held:
             self.grow(_capacity(start + size))
         if keep is not None and keep[1]:
             src = torch.arange(keep[0], keep[0] + keep[1], device=self.cache.layers[0].keys.device)
+            dst = src + (start - keep[0])
             for layer in self.cache.layers:
                 if layer.is_initialized:
-                    layer.keys[:, :, src - keep[0] + start] = layer.keys[:, :, src]
-                    layer.values[:, :, src - keep[0] + start] = layer.values[:, :, src]
+                    layer.keys[:, :, dst] = layer.keys[:, :, src]
+                    layer.values[:, :, dst] = layer.values[:, :, src]
         self.regions[owner] = (start, start + size)
         return start
 
