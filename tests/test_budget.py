@@ -35,3 +35,18 @@ def test_budget_maximises_tokens_per_ms_not_time_saved():
     linear = CostModel([1, 2, 4, 8, 16, 32, 64, 128], [100 + 10 * (n - 1) for n in (1, 2, 4, 8, 16, 32, 64, 128)])
     rates = [0.9] * 4 + [0.15] * 60
     assert AdaptiveBudget(linear, max_nodes=64, rates=rates).budget() == 4
+
+
+def test_generations_sharing_a_step_size_their_trees_for_the_whole_forward():
+    """With k generations stepping together each tree is sized for t(k × rows): rows ride on the weights' read
+    while the forward is memory-bound, so a few generations keep their likely drafts, and many, past the knee,
+    keep only what still pays for its rows in the shared forward."""
+    knee = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 101, 102, 104, 110, 200, 380, 740, 1460])
+    rates = [0.9] * 3 + [0.6] * 4 + [0.2] * 57
+    b = AdaptiveBudget(knee, max_nodes=64, rates=list(rates))
+    assert b.times(4)[2] == knee.time(8) and b.times(1)[5] == knee.time(5)
+    alone, two, eight, thirty_two = b.budget(), b.budget(2), b.budget(8), b.budget(32)
+    assert alone == 15  # 16 rows: the last before the knee
+    assert two == 7 and eight == 3  # 16 and 32 rows in all: what still pays past the knee
+    assert thirty_two == 1  # the floor: one node each
+    assert b.budget(1) == alone  # asking for k does not change what a lone step takes

@@ -52,16 +52,6 @@ class CostModel:
         return {"sizes": self.sizes, "ms": [round(x, 3) for x in self.ms]}
 
 
-KNEE = 1.5  # a step batch of several generations holds the rows a forward reads for about this many t(1)
-
-
-def step_rows(cost: CostModel, knee: float = KNEE) -> int:
-    """The rows one forward affords when several generations share it: the most measured rows n whose t(n) stays
-    within `knee` × t(1) (where more rows stop riding on the weights' read; 4 to 8 on the Xeon)."""
-    limit = knee * cost.time(1)
-    return max([n for n, ms in zip(cost.sizes, cost.ms) if ms <= limit], default=1)
-
-
 def monotone(ms: list[float]) -> list[float]:
     """A forward of more tokens never costs less: a timing above a later (larger) one is noise from a busy
     machine, so each t(n) becomes the least time measured at n or beyond."""
@@ -131,20 +121,31 @@ class AdaptiveBudget:
         if not self.rates:
             # optimistic prior: early ranks are often right on copy-heavy tasks; later ones rarely
             self.rates = [0.8 / (1 + r / 8) for r in range(self.max_nodes)]
-        self._t = [self.cost.time(n) for n in range(self.max_nodes + 2)]  # t(n) once, not per step
+        self._t = {1: [self.cost.time(n) for n in range(self.max_nodes + 2)]}  # t(n) once, not per step
 
-    def select(self, tree):
-        """The part of a proposal to verify now (a `fixed` tree, sized by its drafter, whole)."""
+    def times(self, sharers: int = 1) -> list[float]:
+        """t(sharers × n) for n = 0 … max_nodes + 1: the forward's cost when `sharers` generations step together,
+        each with a tree of this size. Maximising a step's tokens per ms over it is the whole batch's rate when
+        every generation drafts as this one does; so a step of several generations keeps the nodes whose
+        acceptance still pays for their rows in the shared forward, and fewer where the rows stop being cheap."""
+        if sharers not in self._t:
+            self._t[sharers] = [self.cost.time(sharers * n) for n in range(self.max_nodes + 2)]
+        return self._t[sharers]
+
+    def select(self, tree, sharers: int = 1):
+        """The part of a proposal to verify now (a `fixed` tree, sized by its drafter, whole); `sharers`: the
+        generations whose steps share a forward (see `times`)."""
         if tree.fixed:
             return tree
         if not tree.scored:
-            return tree.truncated(self.budget())
+            return tree.truncated(self.budget(sharers))
+        t = self.times(sharers)
         probs = self.path_probabilities(tree)
         order = sorted(range(len(tree)), key=lambda i: (-probs[i], tree.depths[i], i))[: self.max_nodes]
-        best_k, best_rate, expected = 0, 1.0 / self._t[1], 1.0
+        best_k, best_rate, expected = 0, 1.0 / t[1], 1.0
         for k, i in enumerate(order, start=1):
             expected += probs[i]
-            rate = expected / self._t[1 + k]
+            rate = expected / t[1 + k]
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return tree.subset(order[:best_k])
@@ -171,11 +172,12 @@ class AdaptiveBudget:
             if parent < 0 or parent in on_path:  # only nodes whose parent was accepted say anything
                 self.calibration.observe(tree.groups[i], tree.confs[i], i in on_path)
 
-    def budget(self) -> int:
-        best_k, best_rate, expected = 0, 1.0 / self._t[1], 1.0
+    def budget(self, sharers: int = 1) -> int:
+        t = self.times(sharers)
+        best_k, best_rate, expected = 0, 1.0 / t[1], 1.0
         for k in range(1, self.max_nodes + 1):
             expected += self.rates[k - 1]
-            rate = expected / self._t[1 + k]
+            rate = expected / t[1 + k]
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return max(best_k, self.min_nodes)

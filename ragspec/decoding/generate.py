@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from ragspec.decoding.backends import make_backend
-from ragspec.decoding.budget import AdaptiveBudget, settle, step_rows
+from ragspec.decoding.budget import AdaptiveBudget, settle
 from ragspec.decoding.drafters.base import Drafter, DraftState, NoDraft, Segment
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.stream import IncrementalDecoder
@@ -169,16 +169,15 @@ class SpeculativeGenerator:
                 state.attention = verifier.attention_row()
             adaptive = isinstance(self.budget, AdaptiveBudget)
             cap = self.budget.max_nodes if adaptive else int(self.budget)
-            if batcher is not None:  # the step's rows are shared with the other generations stepping
-                cap = batcher.share(cap, step_rows(self.budget.cost) if adaptive else cap + 1)
+            sharers = batcher.sharers() if batcher is not None else 1  # generations whose steps share a forward
+            if not adaptive and sharers > 1:  # a fixed budget's rows are split between them
+                cap = max(0, (cap + 1) // sharers - 1)
             # the adaptive budget learns from the whole proposal, not just the part verified now: how deep it
             # would have been accepted is read off the tokens that follow (else a small cap could never grow)
             full = self.drafter.propose(state, max(0, min(cap, remaining - 1)))
             first, known = known, None
             early = first is not None and first not in self.eos
-            tree = self.budget.select(full) if adaptive else full.truncated(max(0, cap))
-            if batcher is not None and len(tree) > cap:
-                tree = tree.truncated(max(0, cap))
+            tree = self.budget.select(full, sharers) if adaptive else full.truncated(max(0, cap))
             stats.draft_ms += (time.perf_counter() - t) * 1000
             if early:  # stream it now, before the step's forward: the wait for the first token is the prefill's
                 node = tree.child(-1, first)

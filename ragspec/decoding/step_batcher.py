@@ -17,9 +17,11 @@ A forward starts only once every running generation waits here (or `STRAGGLER_S`
 cores all run the forward, a generation drafting, accepting or streaming beside it would slow every core's share
 of it. So the generations' own work runs between forwards, never during one.
 
-Policy for the draft budget: with k generations stepping, a step affords the rows R whose forward stays within
-1.5 t(1) (`budget.step_rows`, from the measured t(n): 4 to 8 on the Xeon), shared equally:
-each drafts at most R // k - 1 nodes (its best-ranked), so eight generations take plain one-token steps together.
+Policy for the draft budget: with k generations stepping, each sizes its tree as if all k drafted as it does,
+keeping the nodes that maximise the whole step's expected tokens per ms under the measured t(k × rows)
+(`budget.AdaptiveBudget.times`). Rows are cheap while the forward stays bound by reading the weights, so a few
+generations keep their likely drafts; many keep only their surest nodes, or step one token each. A fixed budget
+(`draft_budget: N`) is split equally: N + 1 rows a step, each generation drafting (N + 1) // k - 1.
 Alone, a generation drafts what its own budget says.
 """
 
@@ -68,6 +70,7 @@ class StepBatcher:
         self.decoding = 0  # generations past their prefill: how many share a step's rows
         self.generations = 0  # generations running (prefill included)
         self.batches = 0  # batched forwards run
+        self.batched_steps = 0  # generations' steps in them
         self.batched_rows = 0
 
     # -- who is running ------------------------------------------------------------------------------------
@@ -111,11 +114,10 @@ class StepBatcher:
             with self._cond:
                 waiting.__exit__(None, None, None)
 
-    def share(self, cap: int, rows: int) -> int:
-        """The nodes one generation may draft this step: `cap` (what it drafts alone) when it steps alone, else its
-        equal part of the `rows` one forward affords (`budget.step_rows`), its root included."""
-        k = max(1, self.decoding)
-        return cap if k == 1 else max(0, min(cap, rows // k - 1))
+    def sharers(self) -> int:
+        """How many generations' steps share a forward now (those past their prefill): what a generation's draft
+        budget divides the step among (`budget.AdaptiveBudget.times`)."""
+        return max(1, self.decoding)
 
     # -- turns ---------------------------------------------------------------------------------------------
     @contextmanager
@@ -245,6 +247,7 @@ class StepBatcher:
                         results.append(None)
             elif results:
                 self.batches += 1
+                self.batched_steps += len(batch)
                 self.batched_rows += sum(s.rows for s in batch)
         with self._cond:
             for s, r in zip(batch, results or [None] * len(batch)):
