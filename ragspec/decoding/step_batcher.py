@@ -21,7 +21,7 @@ Policy for the draft budget: with k generations stepping, each sizes its tree as
 keeping the nodes that maximise the whole step's expected tokens per ms under the measured t(k × rows)
 (`budget.AdaptiveBudget.times`). Rows are cheap while the forward stays bound by reading the weights, so a few
 generations keep their likely drafts; many keep only their surest nodes, or step one token each. A fixed budget
-(`draft_budget: N`) is split equally: N + 1 rows a step, each generation drafting (N + 1) // k - 1.
+(`drafting.budget: N`) is split equally: N + 1 rows a step, each generation drafting (N + 1) // k - 1.
 Alone, a generation drafts what its own budget says.
 """
 
