@@ -129,6 +129,22 @@ def test_answers_together_are_the_answers_alone(smol_gguf, prompts, method):
     assert batcher.generations == batcher.decoding == 0
 
 
+def test_a_fixed_budget_is_split_between_the_generations_and_answers_stay_alone(smol_gguf, prompts):
+    """`drafting.budget: N`: N + 1 rows a step, split equally between the generations stepping together."""
+    model, tok = smol_gguf
+
+    def generation(prompt, batcher=None):
+        gen = SpeculativeGenerator(model, tok, drafter=make_drafter("suffix", model, tok), max_new_tokens=40,
+                                   budget=11)
+        "".join(d.text for d in gen.stream(prompt, batcher=batcher))
+        return gen.tokens
+
+    alone = [generation(p) for p in prompts]
+    batcher = batcher_of(model)
+    assert together([lambda p=p: generation(p, batcher) for p in prompts]) == alone
+    assert batcher.batches > 0
+
+
 def test_sampled_answers_keep_each_requests_own_stream(smol_gguf, prompts):
     """temperature > 0: each generation samples from its own seeded generator, one uniform a token, so together
     (where its share of a step's rows cuts its trees) it draws the same tokens as alone."""
