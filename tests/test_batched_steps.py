@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from ragspec.decoding.backends.transformers import TransformersBackend, cache_arg
+from ragspec.decoding.backends import run_steps
+from ragspec.decoding.backends.transformers import cache_arg
 from ragspec.decoding.budget import AdaptiveBudget, CostModel
 from ragspec.decoding.drafters import make_drafter
 from ragspec.decoding.generate import SpeculativeGenerator
@@ -45,7 +46,7 @@ def prompts(smol_gguf):
 
 
 def batcher_of(model) -> StepBatcher:
-    return StepBatcher(threading.Lock(), lambda payloads: TransformersBackend.run_steps(model, payloads))
+    return StepBatcher(threading.Lock(), lambda payloads: run_steps(model, payloads))
 
 
 def together(jobs) -> list:

@@ -52,15 +52,12 @@ def step_batcher(model, lock: threading.Lock | None = None):
 
 
 def run_steps(model, payloads: list[tuple]):
-    """Several generations' steps as one forward, by the backend that made them (the static verifier's payloads
-    start with "static"): each one's logits, or None where they cannot share one."""
-    from ragspec.decoding.backends.static_verifier import StaticBackend
-    from ragspec.decoding.backends.transformers import TransformersBackend
-
-    static = [p[0] == "static" for p in payloads]
-    if all(static):
-        return StaticBackend.run_steps(model, payloads)
-    return None if any(static) else TransformersBackend.run_steps(model, payloads)
+    """Several generations' steps as one forward, where one backend made them all: each payload is (that
+    backend's batched runner, its step's data). Each step's logits, or None where they cannot share one."""
+    runner = payloads[0][0]
+    if any(p[0] is not runner for p in payloads):
+        return None
+    return runner(model, [p[1:] for p in payloads])
 
 
 def make_backend(model, sampling, hidden_layer=None, attention_heads=(), predictions=False,

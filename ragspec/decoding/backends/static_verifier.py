@@ -359,7 +359,7 @@ class StaticBackend(TransformersBackend):
         t1 = time.perf_counter()
         if self.batcher is not None:  # batched with other generations' steps
             logits = self.batcher.step(rows, lambda: run_parts(self.model, self._held, [part])[0],
-                                       ("static", self._held, part))
+                                       (StaticBackend.run_steps, self._held, part))
         else:
             logits = run_parts(self.model, self._held, [part])[0]
         if first:
@@ -416,9 +416,9 @@ class StaticBackend(TransformersBackend):
         return twin
 
     @staticmethod
-    def run_steps(model, payloads: list[tuple]):
-        """Several generations' steps ("static", held, Part) as one bucket's forward (`StepBatcher.run_many`)."""
-        return run_parts(model, payloads[0][1], [p[2] for p in payloads])
+    def run_steps(model, parts: list[tuple]):
+        """Several generations' steps ((held, Part) each) as one bucket's forward (`backends.run_steps`)."""
+        return run_parts(model, parts[0][0], [p[1] for p in parts])
 
     # -- t(n) calibration ----------------------------------------------------------------------------------
     @staticmethod

@@ -161,7 +161,7 @@ class TransformersBackend:
             if self.batcher is not None:  # a one-token step's forward: it rides with the other generations' steps
                 pos = torch.tensor([[split]], device=self.device)
                 logits = self.batcher.step(1, lambda: self._forward(ids, pos, None).logits[0],
-                                           (ids, pos, None, self.cache))
+                                           (TransformersBackend.run_steps, ids, pos, None, self.cache))
                 self._root_logits, self.cached = logits[-1], len(prompt_ids)
             else:
                 out = self.model(input_ids=ids, **cache_arg(self.model, self.cache), use_cache=True,
@@ -256,7 +256,7 @@ class TransformersBackend:
         elif self.batcher is not None and self.hidden_layer is None:  # batched with other generations' steps
             out = None
             logits = self.batcher.step(ids.shape[1], lambda: self._forward(ids, pos, mask).logits[0],
-                                       (ids, pos, mask, self.cache))
+                                       (TransformersBackend.run_steps, ids, pos, mask, self.cache))
         else:
             with self._turn():
                 out = self._forward(ids, pos, mask)
@@ -280,13 +280,13 @@ class TransformersBackend:
         return self.batcher.exclusive() if self.batcher is not None else contextlib.nullcontext()
 
     @staticmethod
-    def run_steps(model, payloads: list[tuple]):
+    def run_steps(model, parts: list[tuple]):
         """Several generations' steps ((ids, positions, mask, cache) each) as one forward: each one's logits
-        [rows, vocab], or None where they cannot share one (`StepBatcher`'s `run_many`)."""
+        [rows, vocab], or None where they cannot share one (`backends.run_steps`)."""
         from ragspec.runtime.step_forward import step_forward_many
 
         with torch.inference_mode():
-            return step_forward_many(model, payloads)
+            return step_forward_many(model, parts)
 
     def _forward(self, ids, pos, mask):
         return self.model(
