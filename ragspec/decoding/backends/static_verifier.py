@@ -99,13 +99,16 @@ class Held:
             self.grow(_capacity(start + size))
         if keep is not None and keep[1]:
             src = torch.arange(keep[0], keep[0] + keep[1], device=self.cache.layers[0].keys.device)
-            dst = src + (start - keep[0])
-            for layer in self.cache.layers:
-                if layer.is_initialized:
-                    layer.keys[:, :, dst] = layer.keys[:, :, src]
-                    layer.values[:, :, dst] = layer.values[:, :, src]
+            self.move(src, src + (start - keep[0]))
         self.regions[owner] = (start, start + size)
         return start
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's keys and values at slots `src` copied to slots `dst`."""
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.keys[:, :, dst] = layer.keys[:, :, src]
+                layer.values[:, :, dst] = layer.values[:, :, src]
 
     def release(self, owner: int) -> None:
         self.regions.pop(owner, None)
@@ -392,9 +395,7 @@ class StaticBackend(TransformersBackend):
             dst = torch.tensor([d for d, _ in moved], device=self.device)
             src = torch.tensor([s for _, s in moved], device=self.device)
             with self._held.lock:
-                for layer in self._held.cache.layers:
-                    layer.keys[:, :, dst] = layer.keys[:, :, src]
-                    layer.values[:, :, dst] = layer.values[:, :, src]
+                self._held.move(src, dst)
         self.cached += len(rows)
 
     def fork(self) -> StaticBackend:
