@@ -173,10 +173,10 @@ class RuntimeSettings(Strict):
     """How the CPU/CUDA runtime runs the generator: for comparisons and for machines that need another choice;
     each default is the measured one. An environment variable, where set, wins (runtime/options.py lists them)."""
 
-    prompt_copy: Literal["auto", "int8", "bf16", "off"] = Field(
+    prompt_copy: Literal["auto", "int8", "int8-mlp", "bf16", "off"] = Field(
         "auto", description="dtype gguf: the weight copy prompts are read with. auto: the model's measured one (the "
-        "Qwen models: int8 where int8 units run it; its memory: 1 byte a weight, 0.36 GB for the 0.5B); off: the "
-        "blocks alone (less memory, slower prompts)")
+        "Qwen models: int8 where int8 units run it, 1 byte a weight; the 0.5B's of its MLPs alone, int8-mlp, 0.31 "
+        "GB); off: the blocks alone (less memory, slower prompts)")
     q8k: Literal["auto", "on", "off"] = Field(
         "auto", description="dtype gguf: Q4_K linears on llama.cpp's Q8_K activation rule (auto: where AMX runs)")
     amx: bool = Field(True, description="dtype gguf: the kernels' AMX tile path where the CPU has it (one switch "

@@ -35,6 +35,15 @@ def copied():
 
 
 @pytest.fixture(scope="module")
+def mlp_copied():
+    from ragspec.models.generator import load_generator
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_linear, "prompt_copy_kind", lambda default=None: "int8-mlp")
+        return load_generator(SMOL, dtype="gguf")
+
+
+@pytest.fixture(scope="module")
 def plain():
     from ragspec.models.generator import load_generator
 
@@ -58,6 +67,31 @@ def test_every_linear_but_the_head_has_the_copy(copied):
     assert all(m._int8 for m in model.modules() if isinstance(m, FusedMLP))
     step, copy = map(sum, zip(*(m.nbytes() for m in linears), strict=True))
     assert copy > step  # 1 byte a weight against ~4.5-5 bits
+
+
+def test_the_mlp_copy_leaves_the_attention_projections_on_their_blocks(mlp_copied, copied):
+    """`int8-mlp`: the MLPs' linears alone have the copy (most of a layer's weights); q, k, v and o read prompt
+    positions on their blocks, and the prompt is still read by role (its attention in prompt_attention.cpp)."""
+    model, _ = mlp_copied
+    assert prompt_copy(model) == "int8-mlp" and reads_by_role(model)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, GGUFLinear)}
+    assert all((m.prompt_int8 is not None) == (".mlp." in n) for n, m in linears.items())
+    assert all(m._int8 for m in model.modules() if isinstance(m, FusedMLP))
+    full = sum(m.nbytes()[1] for m in copied[0].modules() if isinstance(m, GGUFLinear))
+    part = sum(m.nbytes()[1] for m in linears.values())
+    assert 0.5 * full < part < full
+
+
+@pytest.mark.parametrize("method", ["none", "pld", "suffix", "pldplus-a"])
+def test_greedy_matches_plain_greedy_with_the_mlp_copy(mlp_copied, method):
+    model, tok = mlp_copied
+    eos = sorted(SpeculativeGenerator(model, tok).eos)
+    for q, p in QUESTIONS:
+        prompt = chat_prompt(tok, PASSAGES[p], q)
+        gen = SpeculativeGenerator(model, tok, drafter=make_drafter(method, model, tok), max_new_tokens=40,
+                                   budget=AdaptiveBudget(FLAT))
+        gen.generate(prompt)
+        assert gen.tokens == greedy_reference(model, prompt, 40, eos), (method, q)
 
 
 def test_copy_is_the_blocks_within_int8_rounding(copied):
@@ -141,7 +175,7 @@ def test_steps_never_read_the_copy(copied, plain):
             assert not torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
 
 
-@pytest.mark.parametrize("which", ["copied", "plain"])
+@pytest.mark.parametrize("which", ["copied", "mlp_copied", "plain"])
 def test_a_prompt_position_is_the_same_however_the_prompt_is_read(which, request):
     """Whole, or in chunks of 7 and the rest, or one row at a time: the same keys, values and logits, with the
     int8 copy and without it (prompt attention alone reads prompt rows otherwise than steps)."""
@@ -234,8 +268,8 @@ def test_the_setting_is_checked_and_wins_over_a_models_own():
         here = "int8" if int8_kernel() == "int_mm" else None
         assert gguf_linear.prompt_copy_kind(default="int8") == here and gguf_linear.prompt_copy_kind() is None
         assert prompt_copy_key(SMOL) == "0"  # models without one keep their calibration keys
-        for name in ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"):
-            assert lookup(name).extra["prompt_copy"] == "int8"
+        assert lookup("qwen2.5-coder-1.5b-instruct").extra["prompt_copy"] == "int8"
+        assert lookup("qwen2.5-coder-0.5b-instruct").extra["prompt_copy"] == "int8-mlp"  # its memory: see registry
         assert prompt_copy_key("qwen2.5-coder-1.5b-instruct") == (here or "0")
 
 

@@ -26,6 +26,9 @@ the forwards the backends mark as reading prompt positions (`runtime/prompt_mode
   forwards' attention runs `prompt_attention.cpp` and the copy's per-row int8 steps `int8_rows.cpp` (the MLP's
   SiLU and quantization for down in one pass): prompt positions are never read as steps, so their arithmetic
   may be a prompt's own.
+- `int8-mlp`: the same copy for the MLPs' linears alone (88 % of a layer's weights); the attention projections read
+  prompt positions on their blocks. The 0.5B's default: 12 % of the copy for 5-8 % of the prompt read, which keeps
+  it within 2x llama.cpp's memory (docs/decoding.md, *The int8 prompt copy*).
 - `1` (bf16), where the CPU has native bf16 (AVX512_BF16/AMX): a bf16 copy packed for oneDNN that any forward of
   more than `PROMPT_ROWS` rows uses (2 bytes a weight). No draft step is that large (trees stop at 256), but a
   prompt partly served by the prefix cache is read in fewer rows than the same prompt fresh and takes the other
@@ -71,7 +74,8 @@ def superblock_activations() -> bool:
     return amx_expected()
 
 
-PROMPT_COPIES = {"0": None, "": None, "1": "bf16", "bf16": "bf16", "int8": "int8"}
+PROMPT_COPIES = {"0": None, "": None, "1": "bf16", "bf16": "bf16", "int8": "int8", "int8-mlp": "int8-mlp"}
+INT8_COPIES = ("int8", "int8-mlp")  # every linear but lm_head; the MLPs' alone (see `quantize_from_gguf`)
 
 
 def prompt_copy_kind(default: str | None = None) -> str | None:
@@ -87,14 +91,14 @@ def prompt_copy_kind(default: str | None = None) -> str | None:
     asked = value is not None
     value = value if asked else (default or "0")
     if value not in PROMPT_COPIES:
-        raise RagspecError(f"RAGSPEC_GGUF_PROMPT '{value}' is not one of 0, 1 (bf16), bf16, int8")
+        raise RagspecError(f"RAGSPEC_GGUF_PROMPT '{value}' is not one of 0, 1 (bf16), bf16, int8, int8-mlp")
     kind = PROMPT_COPIES[value]
-    if kind == "int8":
+    if kind in INT8_COPIES:
         from ragspec.runtime.int8_linear import int8_kernel
 
         if int8_kernel() != "int_mm":
             if asked:
-                log.warning("RAGSPEC_GGUF_PROMPT=int8: torch._int_mm has no int8 units to run on here (no "
+                log.warning(f"RAGSPEC_GGUF_PROMPT={kind}: torch._int_mm has no int8 units to run on here (no "
                             "VNNI/AMX), so prompts keep the integer kernel")
             return None
     elif kind == "bf16":
@@ -160,7 +164,7 @@ class GGUFLinear(nn.Module):
         """The int8 prompt copy (an `Int8Linear`), made from the blocks on first use: in one pass
         (`int8_copy.cpp`: gguf_formats.int8_copy's bits, 0.2 s for 100 M weights on 2 cores against torch's 0.7
         s); None where the linear has none. Made late so that a new machine's one-time t(n) measurement (steps
-        only: 256 rows of logits) does not hold the copy's 0.36 GB (the 0.5B) beside its own."""
+        only: 256 rows of logits) does not hold the copy (the 0.5B's 0.31 GB) beside its own."""
         if self._int8 is None and self.wants_int8:
             from ragspec.runtime.int8_linear import Int8Linear
 
@@ -238,7 +242,9 @@ def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | str | No
         if (b.rows, b.cols) != (module.out_features, module.in_features):
             raise RagspecError(f"generator dtype gguf: {target} is {b.rows}x{b.cols} in {gguf_file}, "
                                f"{module.out_features}x{module.in_features} in the model")
-        copy = None if kind == "int8" and target == "lm_head" else kind
+        copy = kind
+        if kind in INT8_COPIES:
+            copy = "int8" if target != "lm_head" and (kind == "int8" or ".mlp." in f".{target}.") else None
         replace_module(model, target, GGUFLinear.from_packed(b, module.bias, copy or False))
         done[target] = b.gguf_type
     if not done:
@@ -247,7 +253,7 @@ def quantize_from_gguf(model: nn.Module, gguf_file, prompt_copy: bool | str | No
 
     rt = attach(model)
     rt.gguf = done  # with the kernels' key (kernels_key, once the MLPs are fused): the t(n) cost key
-    rt.prompt_copy = "int8" if kind == "int8" else None
+    rt.prompt_copy = kind if kind in INT8_COPIES else None
     # the backends mark its prompt forwards, whose attention runs prompt_attention.cpp (but with the bf16 copy,
     # chosen by row count)
     rt.prompt_role = rt.prompt_attention = kind != "bf16"

@@ -8,7 +8,7 @@ comparisons and for machines that need one; docs/decoding.md says what each does
 
 | spec `generator.runtime` | variable | default |
 |---|---|---|
-| prompt_copy: auto, int8, bf16, off | RAGSPEC_GGUF_PROMPT (int8, bf16 or 1, 0) | auto: the model's measured copy (registry `prompt_copy`) |
+| prompt_copy: auto, int8, int8-mlp, bf16, off | RAGSPEC_GGUF_PROMPT (int8, int8-mlp, bf16 or 1, 0) | auto: the model's measured copy (registry `prompt_copy`) |
 | q8k: auto, on, off | RAGSPEC_GGUF_Q8K (1, 0) | auto: where AMX runs |
 | amx: true, false | RAGSPEC_GGUF_AMX (0: off) | true (the kernels' switch is one per process) |
 | int8_kernel: auto, int_mm, fp32 | RAGSPEC_INT8_KERNEL | auto: `int_mm` where int8 units run it |
@@ -30,7 +30,7 @@ from dataclasses import astuple, dataclass, fields, replace
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    prompt_copy: str | None = None  # "int8", "bf16"/"1", "0" (none) as set, lower-cased; None: the model's own
+    prompt_copy: str | None = None  # "int8", "int8-mlp", "bf16"/"1", "0" (none) as set, lower-cased; None: the model's own
     q8k: bool | None = None  # None: where AMX runs
     amx: bool = True
     int8_kernel: str | None = None  # None: chosen by the CPU

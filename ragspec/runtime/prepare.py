@@ -70,7 +70,7 @@ def after_measuring(model) -> None:
     from ragspec.runtime.model_runtime import runtime_of
 
     rt = runtime_of(model)
-    if rt is not None and rt.prompt_copy == "int8":
+    if rt is not None and rt.prompt_copy is not None:
         from ragspec.runtime.gguf_linear import make_prompt_copies
 
         make_prompt_copies(model)
