@@ -94,6 +94,24 @@ def test_greedy_matches_plain_greedy_with_the_mlp_copy(mlp_copied, method):
         assert gen.tokens == greedy_reference(model, prompt, 40, eos), (method, q)
 
 
+def test_the_mlp_products_reuse_one_buffer_with_the_same_bits(copied):
+    """The int8 MLP's gate and up products go into one reused int32 buffer (`fused_layers._PRODUCTS`): the same
+    logits as fresh products, whether the buffer is free or held by another forward (which then allocates)."""
+    from ragspec.runtime import fused_layers
+
+    model, tok = copied
+    ids = torch.tensor([chat_prompt(tok, PASSAGES[1], QUESTIONS[1][0])[:80]])
+    with torch.inference_mode(), prompt_forward():
+        reused = model(input_ids=ids).logits
+        buf = fused_layers._PRODUCTS._buf
+        assert buf is not None and buf.dtype == torch.int32
+        with fused_layers._PRODUCTS.pair(1, 1):  # held here: the forward makes its own products
+            fresh = model(input_ids=ids).logits
+        again = model(input_ids=ids).logits
+    assert torch.equal(reused, fresh) and torch.equal(reused, again)
+    assert fused_layers._PRODUCTS._buf is buf  # no larger forward came: the same buffer
+
+
 def test_copy_is_the_blocks_within_int8_rounding(copied):
     """Per output channel int8 of the de-quantized blocks, per row int8 activations, against the blocks
     de-quantized in float32 on Gaussian rows: relative RMS error under 2 % and every output within 5 % of its
