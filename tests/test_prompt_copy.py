@@ -82,18 +82,6 @@ def test_the_mlp_copy_leaves_the_attention_projections_on_their_blocks(mlp_copie
     assert 0.5 * full < part < full
 
 
-@pytest.mark.parametrize("method", ["none", "pld", "suffix", "pldplus-a"])
-def test_greedy_matches_plain_greedy_with_the_mlp_copy(mlp_copied, method):
-    model, tok = mlp_copied
-    eos = sorted(SpeculativeGenerator(model, tok).eos)
-    for q, p in QUESTIONS:
-        prompt = chat_prompt(tok, PASSAGES[p], q)
-        gen = SpeculativeGenerator(model, tok, drafter=make_drafter(method, model, tok), max_new_tokens=40,
-                                   budget=AdaptiveBudget(FLAT))
-        gen.generate(prompt)
-        assert gen.tokens == greedy_reference(model, prompt, 40, eos), (method, q)
-
-
 def test_the_mlp_products_reuse_one_buffer_with_the_same_bits(copied):
     """The int8 MLP's gate and up products go into one reused int32 buffer (`fused_layers._PRODUCTS`): the same
     logits as fresh products, whether the buffer is free or held by another forward (which then allocates)."""
@@ -221,10 +209,12 @@ def test_a_prompt_position_is_the_same_however_the_prompt_is_read(which, request
             assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values), cuts
 
 
-@pytest.mark.parametrize("method", ["none", "pld", "trie", "suffix", "lookahead", "ngrammys", "auto",
-                                    "pldplus-h", "pldplus-a"])
-def test_greedy_matches_plain_greedy_with_the_copy(copied, method):
-    model, tok = copied
+@pytest.mark.parametrize(("which", "method"), [
+    *(("copied", m) for m in ("none", "pld", "trie", "suffix", "lookahead", "ngrammys", "auto", "pldplus-h",
+                              "pldplus-a")),
+    *(("mlp_copied", m) for m in ("none", "pld", "suffix", "pldplus-a"))])
+def test_greedy_matches_plain_greedy_with_the_copy(which, method, request):
+    model, tok = request.getfixturevalue(which)
     eos = sorted(SpeculativeGenerator(model, tok).eos)
     accepted = 0
     for q, p in QUESTIONS:
