@@ -139,10 +139,13 @@ def _load_gguf(name: str):
 
 
 def _kept(source) -> bool:
-    """Whether dtype gguf's kept files for `source` (its config and tokenizer, its packed blocks) are there."""
-    from ragspec.models.gguf_cache import meta_dir
+    """Whether dtype gguf's kept files for `source` (its config and tokenizer, its packed blocks) are there and
+    current, as `ensure_meta` and `packed_blocks` would find them."""
+    from ragspec.models.gguf_cache import meta_dir, meta_ready
     from ragspec.runtime.gguf_blocks import blocks_path
 
+    if not meta_ready(source):
+        return False
     try:
         cfg = json.loads((meta_dir(source) / "config.json").read_text())
         return blocks_path(source, cfg["num_attention_heads"], cfg["num_key_value_heads"]).is_file()

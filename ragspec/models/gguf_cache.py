@@ -196,6 +196,11 @@ def ensure_meta(source) -> Path:
     return target
 
 
+def meta_ready(source) -> bool:
+    """Whether `ensure_meta(source)` would find its folder made and current (and so read nothing)."""
+    return _meta_valid(meta_dir(source), source)
+
+
 def _meta_valid(folder: Path, source) -> bool:
     marker = read_marker(folder)
     if not marker or marker.get("source") != source.key or not marker.get("files"):
