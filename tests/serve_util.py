@@ -34,3 +34,20 @@ def make_pipeline(index_path, embedder, model, tokenizer, spec: dict | None = No
 
     s = load_spec(spec or SPEC)
     return Pipeline(s, Retriever(str(index_path), s.retriever, embedder=embedder), model=model, tokenizer=tokenizer)
+
+
+def quiet_port(host: str = "127.0.0.1", low: int = 20000, high: int = 32000) -> int:
+    """A free port for a server that binds it only seconds later (Ray Serve's proxy, after Ray has started): from
+    a range neither the kernel's ephemeral ports (32768-60999 here) nor Ray's worker ports (10002-19999) use, so
+    Ray's own sockets cannot take it in between (seen: "Failed to bind to address" with a port from bind(0))."""
+    import random
+    import socket
+
+    for port in random.sample(range(low, high), 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{high}")

@@ -203,10 +203,9 @@ def load_module():
 def test_two_serve_replicas_answer_8_clients_as_each_question_alone(local_ray, tmp_path, embedder):
     """Ray Serve replicas of `ragspec serve` behind its proxy: the same OpenAI API, and 8 concurrent clients get
     the answers each question gets asked alone (whichever replica answers either)."""
-    from serve_util import SPEC, build_test_index
+    from serve_util import SPEC, build_test_index, quiet_port
 
     from ragspec.cluster import serving
-    from ragspec.serve.app import free_port
     from ragspec.spec import load_spec
 
     load = load_module()
@@ -214,7 +213,7 @@ def test_two_serve_replicas_answer_8_clients_as_each_question_alone(local_ray, t
     spec = load_spec(SPEC | {"serve": {"queue_size": 8}})
     model = SPEC["generator"]["model"]
     try:
-        url = serving.start(index, spec, replicas=2, port=free_port())
+        url = serving.start(index, spec, replicas=2, port=quiet_port())
         from ray import serve
 
         assert serve.status().applications[serving.APP_NAME].deployments["ragspec"].replica_states == {"RUNNING": 2}
