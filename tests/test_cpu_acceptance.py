@@ -4,6 +4,7 @@ spends its time measuring, not mending the script."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -50,3 +51,20 @@ def test_every_command_of_the_acceptance_run_takes_its_options(tmp_path):
     assert ("bench", "--methods") in checked and ("eval-answers", "--retrieve") in checked
     assert ("ragspec.bench.verifier", "--interleave") in checked and ("examples/source_stats.py", "--ttft") in checked
     assert ("examples/prompt_reuse_stats.py", "--pipeline") in checked
+
+
+def test_the_avx2_emulation_hides_the_wider_units_from_ragspec(tmp_path):
+    """examples/avx2_emulation: a process started with it sees an AVX2-only CPU, builds its kernels for a Zen 3 and
+    keeps them in a home of its own (checked without building: the build takes ~20 s)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAGSPEC_HOME", "ATEN_CPU_CAPABILITY")}
+    env.update(PYTHONPATH=str(REPO / "examples/avx2_emulation"), HOME=str(tmp_path))
+    code = ("import json, os; from ragspec.cpu_flags import cpu_flags, native_int8, read_cpuinfo; "
+            "from ragspec.runtime.gguf_kernel import FLAGS; from ragspec.paths import ragspec_home; "
+            "print(json.dumps([sorted(cpu_flags()), native_int8(), read_cpuinfo()[0], FLAGS, str(ragspec_home()), "
+            "os.environ['ATEN_CPU_CAPABILITY']]))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    flags, int8, model, build, home, aten = json.loads(r.stdout)
+    assert not [f for f in flags if f.startswith(("avx512", "amx", "avx_vnni"))] and not int8
+    assert model.endswith("[AVX2 emulation]") and "-march=znver3" in build and "-march=native" not in build
+    assert home == str(tmp_path / ".cache" / "ragspec-avx2") and aten == "avx2"
