@@ -274,8 +274,8 @@ class AttributionSettings(Strict):
 
 
 class ServeSettings(Strict):
-    queue_size: int = Field(16, ge=0, description="requests that may wait for the model besides the one generating; "
-                                                  "more get 503 with Retry-After")
+    queue_size: int = Field(16, ge=0, description="requests admitted beyond the first, generating (up to "
+                                                  "generator.parallel) or waiting; more get 503 with Retry-After")
     timeout_s: float = Field(300.0, gt=0, description="per-request limit (waiting included); then 504 / an error event")
     max_request_bytes: int = Field(1_000_000, ge=1024, description="request bodies over this get 413")
     max_messages: int = Field(64, ge=1, description="chat messages per request")

@@ -462,7 +462,7 @@ class Pipeline(GeneratorLoading, SourceCacheMixin):
         ttft_ms, reused = 0.0, 0
         batcher = self.step_batcher
         # with a step batcher, generations run together (their steps share forwards, their prompt chunks take
-        # turns); without one (llama.cpp, the static verifier, generator.parallel 1) one holds the model at a time
+        # turns); without one (llama.cpp, generator.parallel 1) one holds the model at a time
         with batcher.generation(g.parallel) if batcher is not None else self._gen_lock:
             # assembled from the source cache, a prompt's KV is not a whole prefill's: the tree keeps only exact KV
             store = (self._prompt_store(model) if plan is None else None) or self.prefix_cache

@@ -2,8 +2,8 @@
 
 - One model, shared by every request: up to `generator.parallel` generations run at once, their draft steps
   sharing forwards and their prompts read in chunks between steps (`decoding/step_batcher.py`: continuous
-  batching, each answer the same as asked alone); on a backend that cannot batch (llama.cpp, the static
-  verifier) generation queues on the model's lock. Retrieval runs concurrently on the request's worker thread.
+  batching, each answer the same as asked alone); on a backend that cannot batch (llama.cpp) generation queues
+  on the model's lock. Retrieval runs concurrently on the request's worker thread.
 - Admission: at most 1 + `serve.queue_size` generation requests at once (generating or waiting for a place);
   more get 503 with `Retry-After`. A request's slot is freed when its worker thread is done.
 - Cancellation: a client that goes away (or a request past `serve.timeout_s`) sets a flag the worker checks
