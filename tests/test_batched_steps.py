@@ -147,7 +147,7 @@ def test_a_fixed_budget_is_split_between_the_generations_and_answers_stay_alone(
 
 
 def test_sampled_answers_keep_each_requests_own_stream(smol_gguf, prompts):
-    """temperature > 0: each generation samples from its own seeded generator, one uniform a token, so together
+    """temperature > 0: each generation samples from its own seeded generator, the same numbers a token, so together
     (where its share of a step's rows cuts its trees) it draws the same tokens as alone."""
     model, tok = smol_gguf
 
