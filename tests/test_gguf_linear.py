@@ -535,3 +535,19 @@ def test_the_tensor_table_is_read_as_gguf_reads_it():
         assert np.array_equal(t.data, np.asarray(r.data).view(np.uint8).reshape(-1)), name
     with pytest.raises(RagspecError, match="not a GGUF"):
         read_tensors(__file__)
+
+
+def test_a_header_cut_short_is_told_wherever_it_ends():
+    """`parse_header` over a GGUF's first bytes: cut inside the vocabulary (skipped by lengths alone) or inside the
+    tensor table, it raises struct.error (which `GGUFSource.parsed` reports as one line); whole, the table."""
+    import struct
+
+    from ragspec.models.generator import generator_gguf
+    from ragspec.runtime.gguf_file import parse_header
+
+    head = generator_gguf(SMOL).read_bytes()[: 8 << 20]
+    meta, infos, start = parse_header(head)
+    assert meta["general.architecture"] == "llama" and len(infos) > 0
+    for cut in (100_000, start // 2, start - 40):
+        with pytest.raises(struct.error):
+            parse_header(head[:cut])

@@ -135,6 +135,13 @@ def parse_header(buf) -> tuple[dict, list, int]:
         at += 12
         if elem in _SCALAR:
             return at + count * _SCALAR[elem]
+        if elem == 8:  # a vocabulary: lengths only, nothing decoded (151,936 strings in the Qwen2.5 GGUFs)
+            length = struct.Struct("<Q").unpack_from
+            for _ in range(count):
+                at += 8 + length(buf, at)[0]
+            if at > len(buf):
+                raise struct.error("string past the buffer")
+            return at
         for _ in range(count):
             at = skip(elem, at)
         return at
