@@ -30,7 +30,11 @@ from ragspec.runtime.int8_linear import EXACT_SLICE, Int8Linear
 from ragspec.runtime.model_runtime import runtime_of
 
 FLAT = CostModel([1, 2, 4, 8, 16, 32, 64, 128, 256], [100, 102, 104, 108, 116, 132, 164, 228, 356])
-HAS_INT_MM = hasattr(torch, "_int_mm")
+# ragspec runs torch._int_mm only where the CPU has int8 units (VNNI/AMX: `int8_linear.int8_kernel`). Elsewhere
+# PyTorch runs a reference loop, or, under examples/avx2_emulation (PyTorch still sees the host's VNNI), oneDNN held
+# to AVX2, whose s8 x s8 pair sums saturate in int16: neither is a path ragspec takes.
+HAS_INT_MM = hasattr(torch, "_int_mm") and native_int8()
+INT_MM_SKIP = "no int8 units (VNNI/AMX) on this CPU, or no torch._int_mm in this PyTorch: ragspec runs it only with both"
 
 
 def rows_alone_equal_batched(layer, x: torch.Tensor) -> bool:
@@ -45,7 +49,7 @@ def rows_alone_equal_batched(layer, x: torch.Tensor) -> bool:
 
 # -- int8 linears --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kernel", ["fp32", pytest.param("int_mm", marks=pytest.mark.skipif(
-    not HAS_INT_MM, reason="this PyTorch has no torch._int_mm"))])
+    not HAS_INT_MM, reason=INT_MM_SKIP))])
 @pytest.mark.parametrize("shape", [(96, 200), (2 * EXACT_SLICE + 3, 64)], ids=["one-slice", "three-slices"])
 def test_int8_rows_are_independent(kernel, shape):
     """Per-row activation scales: a draft row can never change another row's output (a batch-wide scale would:
@@ -61,7 +65,7 @@ def test_int8_rows_are_independent(kernel, shape):
     assert ((y - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 0.03  # int8 error, per row
 
 
-@pytest.mark.skipif(not HAS_INT_MM, reason="this PyTorch has no torch._int_mm")
+@pytest.mark.skipif(not HAS_INT_MM, reason=INT_MM_SKIP)
 def test_int8_kernels_compute_the_same_bits():
     """The fp32 kernel is the exact integer product (every partial sum < 2²⁴), so it equals `torch._int_mm`,
     bit for bit, including at the worst case (all ±127) and over several slices."""

@@ -9,7 +9,9 @@ machine is at hand. Python imports this file at start-up when its folder is on P
 - ATen and oneDNN are held to AVX2 by their own variables (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`);
 - RAGSPEC_HOME defaults to ~/.cache/ragspec-avx2, so the emulated kernels and measurements stay apart.
 
-What it does not change: llama.cpp (llama-cpp-python is built for the real CPU), and the core itself. A wider
+What it does not change: llama.cpp (llama-cpp-python is built for the real CPU), PyTorch's own probe of the CPU
+(it still sees the host's VNNI, so `torch._int_mm` calls oneDNN, held to AVX2, whose int8 pair sums saturate; a
+real AVX2-only CPU gets PyTorch's exact loop, and ragspec calls `_int_mm` only with int8 units), and the core itself. A wider
 core runs the same AVX2 code faster than a Zen 3: on a Zen 5 the 1.5B's 1,024-token prefill took 0.41x a real
 Zen 3's time (benchmarks.md, *AVX2 on an AVX-512 machine*), so read its times as a lower bound, or scale them by
 that ratio. The flags line every benchmark prints says "[AVX2 emulation]".
