@@ -75,3 +75,32 @@ def test_ray_options_need_the_ray_executor(tmp_path):
     assert r.exit_code != 0 and "--executor must be local or ray" in r.output
     r = runner.invoke(app, ["serve", "--index", str(tmp_path), "--replicas", "2"])
     assert r.exit_code != 0 and "go with --executor ray" in r.output
+
+
+def test_the_script_exits_as_python_would_without_its_teardown(tmp_path):
+    """`ragspec` skips the module teardown (cli.exit_without_teardown) but keeps a normal exit's steps: a thread
+    still running is joined, atexit handlers run, buffered output reaches a pipe, and the exit code is the command's."""
+    import subprocess
+    import sys
+
+    script = """
+import atexit, sys, threading, time
+from pathlib import Path
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+threading.Thread(target=lambda: (time.sleep(0.3), (out / "thread").write_text("joined"))).start()
+sys.argv = ["ragspec"] + sys.argv[2:]
+from ragspec.cli import main
+main()
+"""
+    for args, code in ((["search", str(tmp_path / "none"), "q"], 2), (["--help"], 0)):
+        for f in ("atexit", "thread"):
+            (tmp_path / f).unlink(missing_ok=True)
+        done = subprocess.run([sys.executable, "-c", script, str(tmp_path), *args], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == code, done.stderr
+        assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").read_text() == "joined"
+        if code == 0:
+            assert "index" in done.stdout and "serve" in done.stdout  # every command listed, through a pipe
+        else:
+            assert done.stderr.count("\n") == 1 and "no index" in done.stderr

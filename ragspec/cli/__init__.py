@@ -31,5 +31,44 @@ app.command()(answer.serve)
 app.command()(models.models)
 
 
-def main():  # pragma: no cover
-    app()
+def main():
+    """The `ragspec` script: the app, then `exit_without_teardown` with its exit code."""
+    try:
+        app()
+        code = 0
+    except SystemExit as done:  # click ends every command this way, errors included
+        code = done.code
+    exit_without_teardown(code)
+
+
+def exit_without_teardown(code) -> None:
+    """End the process as a normal exit would, less Python's teardown of the modules it imported.
+
+    After a command that imported torch and transformers, that teardown (freeing every module's objects one by one)
+    took about 1.2 s of each `ragspec ask` and 1 s of each `search`, after the output was complete
+    (docs/benchmarks.md, "A command's exit"). A normal exit's other steps
+    are kept, in its order: non-daemon threads joined, atexit handlers run (logging's flush among them), the
+    standard streams flushed (120 where that fails, as Python does); then os._exit. A Python without those
+    hooks (`threading._shutdown`, `atexit._run_exitfuncs`) exits the normal way."""
+    import atexit
+    import os
+    import sys
+    import threading
+
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # sys.exit("message"): the message on stderr, status 1
+        print(code, file=sys.stderr)
+        code = 1
+    join_threads, run_exit_handlers = getattr(threading, "_shutdown", None), getattr(atexit, "_run_exitfuncs", None)
+    if join_threads is None or run_exit_handlers is None:
+        sys.exit(code)
+    join_threads()
+    run_exit_handlers()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`ragspec search … | head`)
+            code = code or 120
+    os._exit(code)
