@@ -104,3 +104,69 @@ def test_interrupted_conversion_leaves_no_valid_entry(tmp_path):
     assert not list(models.glob(".*.tmp-*"))  # the killed run's leftovers are gone
     marker = gguf_cache.read_marker(target)
     assert marker["source_sha256"] == smol.sha256 and "model.safetensors" in marker["files"]
+
+
+def _hub_out_of_reach(monkeypatch):
+    """The hub's address set to a closed local port (a real refused connection), HF_HUB_OFFLINE unset."""
+    import socket
+
+    import huggingface_hub.constants
+
+    from ragspec.models import registry
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    registry.hub_unreachable.cache_clear()
+    return registry
+
+
+def test_a_name_nothing_can_load_is_one_line_before_the_pipeline_loads_anything(tmp_path, monkeypatch):
+    """A missing path, or a hub id with the hub out of reach and not cached: one line (with the embedded name it
+    is close to), before the embedder loads or this machine is measured for it (transformers alone retried each
+    file for 50 s)."""
+    from ragspec.pipeline import Pipeline
+    from ragspec.spec import load_spec
+
+    registry = _hub_out_of_reach(monkeypatch)
+    for name, expected in ((str(tmp_path / "qwen2.5-coder-0.5b-instruct.gguf"), "no such file or folder"),
+                           (str(tmp_path / "my-model"), "no such file or folder"),
+                           ("qwen2.5-coder-1.5b", "the hub is out of reach")):
+        data = load_spec(None).model_dump()
+        data["generator"]["model"] = name
+        pipe = Pipeline(load_spec(data))
+        with pytest.raises(RagspecError) as err:
+            pipe.load()
+        msg = str(err.value)
+        assert expected in msg and "\n" not in msg, msg
+        assert "did you mean 'qwen2.5-coder-" in msg or name.endswith("my-model"), msg
+        assert pipe.choice is None  # no backend chosen, so no calibration started for that name
+    registry.hub_unreachable.cache_clear()
+
+
+def test_a_cached_hub_model_loads_from_the_cache_when_the_hub_is_out_of_reach(tmp_path, monkeypatch):
+    """A hub id in the Hugging Face cache (laid out as huggingface_hub writes it, here MiniLM's files) is loaded
+    from there at once when the hub cannot be reached, HF_HUB_OFFLINE or not: the same vectors as the embedded
+    MiniLM."""
+    import huggingface_hub.constants
+    import numpy as np
+
+    from ragspec.models.embedder import load_embedder
+
+    registry = _hub_out_of_reach(monkeypatch)
+    src = part_paths(lookup("all-minilm-l6-v2"))[0]
+    repo = tmp_path / "hub" / "models--sentence-transformers--all-MiniLM-L6-v2"
+    snap = repo / "snapshots" / ("0" * 40)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snap.parent.mkdir(parents=True)
+    snap.symlink_to(src, target_is_directory=True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert registry.resolve_hub_or_folder("sentence-transformers/all-MiniLM-L6-v2", "embedder") == str(snap)
+    cached = load_embedder("sentence-transformers/all-MiniLM-L6-v2", dtype="float32")
+    embedded = load_embedder("all-minilm-l6-v2", dtype="float32")
+    texts = ["the global statement", "a with statement calls __enter__"]
+    assert np.array_equal(cached.encode(texts), embedded.encode(texts))
+    registry.hub_unreachable.cache_clear()

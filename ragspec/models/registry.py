@@ -6,6 +6,7 @@ is a Hugging Face id (or a local folder) and is resolved the normal way when a h
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -184,21 +185,80 @@ def generator_entry(name: str) -> EmbeddedModel | None:
 
 
 def resolve_hub_or_folder(name: str, what: str) -> str:
-    """A local folder as is; otherwise a hub id, checked for reachability so failures are one clear line."""
+    """A local folder as is; otherwise a hub id, checked first so that a failure is one clear line at once.
+
+    A name that can only be a path (`looks_like_path`) and is not there fails now. Where the hub cannot be
+    reached (`hub_unreachable`: one request, a short timeout), a hub id is taken from the Hugging Face cache or
+    fails now; transformers alone would retry each file with backoff (50 s offline before its error, measured)."""
     if Path(name).expanduser().is_dir():
         return str(Path(name).expanduser())
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        try:
-            from huggingface_hub import snapshot_download
+    check_path(name, what)
+    if looks_like_path(name):  # a file: its loader says what it makes of it
+        return str(Path(name).expanduser())
+    offline = "HF_HUB_OFFLINE=1" if os.environ.get("HF_HUB_OFFLINE") == "1" else hub_unreachable(name)
+    if offline is None:
+        return name
+    try:
+        from huggingface_hub import snapshot_download
 
-            return snapshot_download(name, local_files_only=True)
-        except Exception:  # noqa: BLE001 - any miss (not cached, hub library absent) is the one message below
-            raise RagspecError(
-                f"{what} '{name}' is not embedded and not in the Hugging Face cache, and HF_HUB_OFFLINE=1: "
-                f"use an embedded model ({', '.join(m for m in EMBEDDED if EMBEDDED[m].kind == _kind(what))}) "
-                "or download it first"
-            ) from None
-    return name
+        return snapshot_download(name, local_files_only=True)
+    except Exception:  # noqa: BLE001 - any miss (not cached, hub library absent) is the one message below
+        raise RagspecError(
+            f"{what} '{name}' is not embedded, not a local folder and not in the Hugging Face cache, and the hub "
+            f"is out of reach ({offline}): use "
+            + (f"an embedded model ({', '.join(_embedded(what))}) or " if _embedded(what) else "")
+            + f"a local folder{_did_you_mean(name, what)}"
+        ) from None
+
+
+def check_path(name: str, what: str) -> None:
+    """One line now for a name that can only be a path (`looks_like_path`) where nothing is."""
+    if lookup(name) is None and looks_like_path(name) and not Path(name).expanduser().exists():
+        raise RagspecError(f"{what} '{name}': no such file or folder{_did_you_mean(name, what)}")
+
+
+def check_generator(name: str) -> None:
+    """One line now for a generator name that nothing can load (a missing path, a hub id out of reach and not
+    cached), before a pipeline loads its embedder or starts measuring this machine for that name."""
+    if lookup(name, "generator") is None and not name.lower().endswith(".gguf"):
+        resolve_hub_or_folder(name, "generator")
+    check_path(name, "generator")
+
+
+def looks_like_path(name: str) -> bool:
+    """A name that can only mean a local file or folder: absolute, from ~, ./ or ../, or a .gguf file."""
+    return name.startswith(("/", "~", "./", "../")) or name.lower().endswith(".gguf")
+
+
+@functools.lru_cache(maxsize=64)
+def hub_unreachable(name: str) -> str | None:
+    """Why the Hugging Face hub cannot be asked about `name` now (None where it answers, even with an HTTP
+    error such as no such model: transformers then says so at once). One request, 5 s at most."""
+    try:
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import HfHubHTTPError
+    except ImportError:
+        return "huggingface_hub is not installed"
+    try:
+        HfApi().model_info(name, timeout=5)
+    except HfHubHTTPError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - no answer at all: DNS, refused, timed out, a proxy's error
+        return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+    return None
+
+
+def _embedded(what: str) -> list[str]:
+    """The embedded models that can stand for a `what` (none for a reranker: no cross-encoder ships)."""
+    return [] if what == "reranker" else [m for m, e in EMBEDDED.items() if e.kind == _kind(what)]
+
+
+def _did_you_mean(name: str, what: str) -> str:
+    """'; did you mean X?' for a name close to an embedded model's, else ''."""
+    import difflib
+
+    close = difflib.get_close_matches(Path(name).name.lower(), _embedded(what), n=1, cutoff=0.7)
+    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def _kind(what: str) -> str:
@@ -207,9 +267,8 @@ def _kind(what: str) -> str:
 
 def hub_error(name: str, what: str, exc: BaseException) -> RagspecError:
     """Turn whatever transformers raised for an unloadable hub id into one line."""
-    embedded = ", ".join(m for m, e in EMBEDDED.items() if e.kind == _kind(what))
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return RagspecError(
         f"cannot load {what} '{name}' ({first[:160]}). It is not an embedded model; offline, use one of: "
-        f"{embedded}, or point to a local model folder"
+        f"{', '.join(_embedded(what))}, or point to a local model folder{_did_you_mean(name, what)}"
     )

@@ -33,6 +33,9 @@ class GeneratorLoading:
             if self._model is not None and self.choice is not None and self.choice.guessed:
                 self._follow_measurement(progress)
             if self._model is None:
+                from ragspec.models.registry import check_generator
+
+                check_generator(self.spec.generator.model)  # before the embedder's seconds
                 if self._index_arg is not None:
                     # the index's embedder first: its load's passing float32 weights then come before the
                     # generator's are resident, not on top of them (the 0.5B's first ask peaked 0.1 GB higher)

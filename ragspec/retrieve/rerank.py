@@ -11,7 +11,10 @@ class CrossEncoderReranker:
         from sentence_transformers import CrossEncoder
 
         self.name = name
-        source = resolve_hub_or_folder(name, "reranker")
+        try:
+            source = resolve_hub_or_folder(name, "reranker")
+        except RagspecError as exc:
+            raise RagspecError(f"{exc}, or set reranker to null (hybrid dense+BM25 without reranking)") from None
         try:
             self._model = CrossEncoder(source, device=device)
         except Exception as exc:
