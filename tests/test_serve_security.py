@@ -164,6 +164,27 @@ def test_cors_to_another_site_needs_a_key(pipe, tmp_path):
     assert "--allow-host" in r.output
 
 
+def test_a_port_in_use_is_one_line_before_the_model_loads():
+    """`ragspec serve` binds its port before loading anything: a port another server holds (a real listening
+    socket here) is one line, exit code 2, with no "serving" line printed (it came after the model's seconds, then
+    uvicorn's own error and exit code 3)."""
+    import socket
+
+    from typer.testing import CliRunner
+
+    from ragspec.cli import app
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        r = CliRunner().invoke(app, ["serve", "--index", "nowhere", "--port", str(port)])
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and f"127.0.0.1:{port} is in use" in lines[0], r.output
+    r = CliRunner().invoke(app, ["serve", "--index", "nowhere", "--port", "70000"])
+    assert r.exit_code == 2 and "--port must be 0 to 65535" in r.output
+
+
 def test_search_and_documents_queue_and_time_out_as_asks_do(pipe):
     srv, _ = serve(pipe, queue_size=0)
     try:

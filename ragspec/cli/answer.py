@@ -325,16 +325,40 @@ def serve(
         if executor == "ray":
             _serve_on_ray(index_path, pipeline, replicas, host, port, api_key, address)
             return
-        with console.status("loading the index and the model…"):
-            server = build_server(str(index_path), pipeline, api_key=api_key)
-        shown = f"[{host}]" if ":" in host else host
-        url = f"http://{shown}:{port}"
-        console.print(f"ragspec serving {index_path} with {server.model_name} on {url}/"
-                      + (" (API key required)" if api_key else ""))
-        console.print(f'[dim]from a terminal: ragspec ask "QUESTION" --server {url}[/]', highlight=False)
-        uvicorn.run(create_app(server), host=host, port=port, log_level="warning")
+        sock = _bind(host, port)  # before the model's seconds: a port in use is one line at once
+        with sock:
+            with console.status("loading the index and the model…"):
+                server = build_server(str(index_path), pipeline, api_key=api_key)
+            shown = f"[{host}]" if ":" in host else host
+            url = f"http://{shown}:{sock.getsockname()[1]}"
+            console.print(f"ragspec serving {index_path} with {server.model_name} on {url}/"
+                          + (" (API key required)" if api_key else ""))
+            console.print(f'[dim]from a terminal: ragspec ask "QUESTION" --server {url}[/]', highlight=False)
+            config = uvicorn.Config(create_app(server), host=host, port=port, log_level="warning")
+            uvicorn.Server(config).run(sockets=[sock])  # it listens only now: until then a connection is refused
 
     run(body)
+
+
+def _bind(host: str, port: int):
+    """A socket bound to host:port, not yet listening (uvicorn listens on it once the model is loaded), as uvicorn
+    binds (SO_REUSEADDR); a port in use, or an address not of this machine, is one line."""
+    import errno
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise RagspecError(f"--port must be 0 to 65535, not {port}")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise RagspecError(f"{host}:{port} is in use (another server?): stop it, or choose another --port") \
+                from None
+        raise RagspecError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
 
 
 def _serve_on_ray(index_path, spec, replicas, host, port, api_key, address):
