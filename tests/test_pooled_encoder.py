@@ -99,3 +99,17 @@ def test_cls_pooling_is_the_plain_kind_too(tmp_path):
     theirs = SentenceTransformer(str(folder), device="cpu").eval()
     a = theirs.encode(TEXTS, batch_size=8, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
     assert np.array_equal(a, ours.encode(TEXTS, batch_size=8))
+
+
+def test_loading_an_embedder_prints_no_bar_and_keeps_the_callers_setting(capfd):
+    """A library user's `Pipeline.ask` printed transformers' "Loading weights" bar (the CLI silences it globally);
+    ragspec turns it off only while it loads, and leaves the caller's choice as it was."""
+    from transformers.utils import logging as hf_logging
+
+    from ragspec.models.embedder import load_embedder
+
+    hf_logging.enable_progress_bar()
+    capfd.readouterr()
+    load_embedder("all-minilm-l6-v2", dtype="float32")
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -179,8 +181,6 @@ def load_embedder(name: str, device: str = "cpu", dtype: str = "auto", max_token
     position limit). A local model of the plain kind runs without importing sentence-transformers
     (`pooled_encoder.py`: the same vectors, ~1 s less per process).
     """
-    from pathlib import Path
-
     if dtype == "auto":
         dtype = best_cpu_dtype() if device == "cpu" else "float16"
     from ragspec.models.generator import torch_dtype
@@ -202,14 +202,8 @@ def load_embedder(name: str, device: str = "cpu", dtype: str = "auto", max_token
         canonical = name
     try:
         plain = plain_pooling(Path(source)) if Path(source).is_dir() else None
-        if plain is not None:
-            model = PooledEncoder(Path(source), *plain, device=device, dtype=dt)
-            config = model.auto_model.config
-        else:
-            from sentence_transformers import SentenceTransformer
-
-            model = SentenceTransformer(source, device=device, model_kwargs={"dtype": dt}).eval()
-            config = model[0].auto_model.config
+        with _no_weight_bars():
+            model, config = _load_model(source, plain, device, dt)
     except RagspecError:
         raise
     except Exception as exc:  # transformers / hub errors: one line for the user
@@ -221,3 +215,29 @@ def load_embedder(name: str, device: str = "cpu", dtype: str = "auto", max_token
         limit = getattr(config, "max_position_embeddings", 512)
         model.max_seq_length = min(max(model.max_seq_length, max_tokens + 2), limit)
     return Embedder(name=canonical, model=model, dtype=dtype)
+
+
+def _load_model(source: str, plain, device: str, dt):
+    """(model, its transformers config): a PooledEncoder for the plain kind, else a SentenceTransformer."""
+    if plain is not None:
+        model = PooledEncoder(Path(source), *plain, device=device, dtype=dt)
+        return model, model.auto_model.config
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(source, device=device, model_kwargs={"dtype": dt}).eval()
+    return model, model[0].auto_model.config
+
+
+@contextlib.contextmanager
+def _no_weight_bars():
+    """transformers' "Loading weights" bar off while ragspec loads an embedder (a library asked for an answer
+    prints no bar of another library's); the caller's setting is back after."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
