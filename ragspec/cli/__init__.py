@@ -44,12 +44,12 @@ def main():
 def exit_without_teardown(code) -> None:
     """End the process as a normal exit would, less Python's teardown of the modules it imported.
 
-    After a command that imported torch and transformers, that teardown (freeing every module's objects one by one)
-    took about 1.2 s of each `ragspec ask` and 1 s of each `search`, after the output was complete
-    (docs/benchmarks.md, "A command's exit"). A normal exit's other steps
-    are kept, in its order: non-daemon threads joined, atexit handlers run (logging's flush among them), the
-    standard streams flushed (120 where that fails, as Python does); then os._exit. A Python without those
-    hooks (`threading._shutdown`, `atexit._run_exitfuncs`) exits the normal way."""
+    After a command that imported torch and transformers, that teardown (freeing every module's objects one by
+    one) took about 1.2 s of each `ragspec ask` and 1 s of each `search`, after the output was complete
+    (docs/benchmarks.md, "A command's exit"). A normal exit's other steps are kept, in its order: non-daemon
+    threads joined, atexit handlers run (logging's flush among them), the standard streams flushed (status 120
+    where that fails, as Python does); then os._exit. A Python without those hooks (`threading._shutdown`,
+    `atexit._run_exitfuncs`) exits the normal way."""
     import atexit
     import os
     import sys
