@@ -205,3 +205,14 @@ def test_answer_budget_below_one_and_overlong_questions_are_one_clear_error(pipe
         pipe.ask("why " * (limit + 10))
     r = CliRunner().invoke(app, ["ask", QUESTIONS[0], "--index", str(index_path), "--max-new-tokens", "0"])
     assert r.exit_code == 2 and "--max-new-tokens must be at least 1" in r.output
+
+
+def test_a_pipeline_without_its_index_says_so_before_loading_the_model(tmp_path):
+    """`ask` with no index (or a path with none) was one line only after the generator loaded (3-5 s)."""
+    from ragspec.spec import load_spec
+
+    for index, expected in ((None, "has no index"), (str(tmp_path / "nowhere"), "no index at")):
+        pipe = Pipeline(load_spec({"generator": {"model": "smollm2-135m-instruct"}}), index)
+        with pytest.raises(RagspecError, match=expected):
+            pipe.ask("What is the capital of Austria?")
+        assert pipe._model is None  # nothing was loaded for it

@@ -302,6 +302,8 @@ class Pipeline(GeneratorLoading, SourceCacheMixin):
         `stream`'s."""
         if not question or not question.strip():
             raise RagspecError("the question is empty")
+        if documents is None:
+            self.retriever  # noqa: B018 - no index, or a bad path, is one line before the model's seconds
         max_new = self._max_new(max_new_tokens)
         limit = self.spec.prompt.max_question_tokens
         n_question = len(self.tokenizer(question, add_special_tokens=False)["input_ids"])
