@@ -216,3 +216,12 @@ def test_a_pipeline_without_its_index_says_so_before_loading_the_model(tmp_path)
         with pytest.raises(RagspecError, match=expected):
             pipe.ask("What is the capital of Austria?")
         assert pipe._model is None  # nothing was loaded for it
+
+
+def test_an_answer_budget_past_the_models_window_is_named_as_such():
+    """max_new_tokens beyond the model's window was reported as a question over a negative prompt budget."""
+    from ragspec.spec import load_spec
+
+    pipe = Pipeline(load_spec({"generator": {"model": "smollm2-135m-instruct"}}))
+    with pytest.raises(RagspecError, match=r"max_new_tokens 1000000 leaves 0 tokens of the model's \d+-token window"):
+        pipe.ask("Which river flows through Vienna?", documents=["Vienna lies on the Danube."], max_new_tokens=10**6)

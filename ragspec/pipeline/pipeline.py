@@ -163,6 +163,9 @@ class Pipeline(GeneratorLoading, SourceCacheMixin):
         if budget is None:
             window = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
             budget = window - max_new_tokens if window else None
+            if budget is not None and budget < 64:  # else: "the question alone takes 105 tokens, more than -67231"
+                raise RagspecError(f"max_new_tokens {max_new_tokens} leaves {max(budget, 0)} tokens of the model's "
+                                   f"{window}-token window for the prompt: ask for fewer new tokens")
         return PromptBuilder(self.tokenizer, p.style, p.system, budget, decline=decline or self.decline)
 
     @property
