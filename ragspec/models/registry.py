@@ -221,8 +221,9 @@ def check_generator(name: str) -> None:
     """One line now for a generator name that nothing can load (a missing path, a hub id out of reach and not
     cached), before a pipeline loads its embedder or starts measuring this machine for that name."""
     if lookup(name, "generator") is None and not name.lower().endswith(".gguf"):
-        resolve_hub_or_folder(name, "generator")
-    check_path(name, "generator")
+        resolve_hub_or_folder(name, "generator")  # a path checked there too
+    else:
+        check_path(name, "generator")
 
 
 def looks_like_path(name: str) -> bool:
