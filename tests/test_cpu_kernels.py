@@ -114,6 +114,20 @@ def test_bf16_packed_linear_rows_are_independent():
     assert rows_alone_equal_batched(packed, x)
 
 
+@pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (4864, 896)])
+def test_float32_packed_linear_rows_are_independent(shape):
+    """On a Xeon (AVX-512, model 207) oneDNN's float32 kernel gave a row alone other bits than the same row among
+    others once a weight had 1,536 inputs or more (SmolLM2's down_proj): a step of one row and a batched step
+    disagreed, and eight answers at once could differ from each asked alone."""
+    torch.manual_seed(4)
+    lin = nn.Linear(*shape)
+    packed = PackedLinear(lin)
+    x = torch.randn(40, shape[0])
+    with torch.inference_mode():
+        assert (packed(x) - lin(x)).abs().max() < 1e-3
+    assert rows_alone_equal_batched(packed, x)
+
+
 def test_onednn_stops_short_of_amx_unless_the_user_chose():
     """On a CPU with AMX, importing ragspec caps oneDNN at AVX-512 BF16 (its AMX kernels change a row's bits with
     the batch: the two tests above fail there without it); a value the user set is kept."""

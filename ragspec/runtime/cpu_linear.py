@@ -46,6 +46,9 @@ def bf16_packing_available() -> bool:
     return True
 
 
+_ONE_ROW_DIFFERS: dict[tuple, bool] = {}  # (in, out, dtype, bias) -> a single row gets other bits than among rows
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear` (inference only) on a oneDNN-reordered weight."""
 
@@ -57,6 +60,7 @@ class PackedLinear(nn.Module):
         self.dtype = w.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.one_row_as_two = self.dtype == torch.bfloat16 or self._one_row_sums_otherwise()
 
     @property
     def weight(self) -> torch.Tensor:
@@ -66,14 +70,28 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype or not x.is_contiguous():
             x = x.to(self.dtype).contiguous()
-        if self.dtype == torch.bfloat16 and x.numel() == x.shape[-1]:
-            # one row: oneDNN's bf16 kernel for a single row may sum in another order than for several (seen
-            # on AVX512_BF16, Zen 4), so a token decoded alone would get other bits than the same token verified
-            # in a batch. Run it as two rows (same cost: the weight is read once) and keep the first.
+        if self.one_row_as_two and x.numel() == x.shape[-1]:
+            # one row: oneDNN's kernel for a single row may sum in another order than for several (bf16 on
+            # AVX512_BF16, Zen 4; float32 with 1,536 inputs or more on a Xeon), so a token decoded alone would get
+            # other bits than the same token verified in a batch. Run it as two rows (the weight is read once:
+            # 0.93-1.19x one row's time) and keep the first.
             two = x.reshape(1, -1).expand(2, -1).contiguous()
-            y = torch.ops.mkldnn._linear_pointwise(two, self.packed, self.bias, "none", [], "")[:1]
-            return y.reshape(*x.shape[:-1], self.out_features)
+            return self._run(two)[:1].reshape(*x.shape[:-1], self.out_features)
+        return self._run(x)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def _one_row_sums_otherwise(self) -> bool:
+        """oneDNN picks its float32 kernel by shape, so whether one row gets other bits than the same row among
+        others is a fact of the weight's shape on this CPU: probed once a shape, with random rows."""
+        key = (self.in_features, self.out_features, self.dtype, self.bias is not None)
+        if key not in _ONE_ROW_DIFFERS:
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(4, self.in_features, generator=g, dtype=self.dtype)
+            together = self._run(x)
+            _ONE_ROW_DIFFERS[key] = any(not torch.equal(self._run(x[i : i + 1]), together[i : i + 1]) for i in range(4))
+        return _ONE_ROW_DIFFERS[key]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
