@@ -74,7 +74,7 @@ class PackedLinear(nn.Module):
             # one row: oneDNN's kernel for a single row may sum in another order than for several (bf16 on
             # AVX512_BF16, Zen 4; float32 with 1,536 inputs or more on a Xeon), so a token decoded alone would get
             # other bits than the same token verified in a batch. Run it as two rows (the weight is read once:
-            # 0.93-1.19x one row's time) and keep the first.
+            # 0.99-1.10x one row's time, examples/packed_linear_rows.py) and keep the first.
             two = x.reshape(1, -1).expand(2, -1).contiguous()
             return self._run(two)[:1].reshape(*x.shape[:-1], self.out_features)
         return self._run(x)
