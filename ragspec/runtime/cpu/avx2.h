@@ -19,18 +19,20 @@ inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
 // 4 * 63 * 127 = 32004), not for s8. On a Zen 3 core this form does 106-132 GOP/s in registers, the one-chunk
 // form 59-74 (vpmaddubsw and vpmaddwd share a unit there).
 // (VNNI builds keep one chunk per instruction: vpdpbusd widens as it adds.)
-inline __m256i dot_acc2(__m256i acc, __m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+// `widen` multiplies the pair sums as they widen: ones, or u4k8's sub-scale per output in both int16 halves of its
+// lane (sc * dot for free, where a separate vpmulld per group and row would cost more than the dot's widening).
+inline __m256i dot_acc2(__m256i acc, __m256i u0, __m256i s0, __m256i u1, __m256i s1, __m256i widen) {
   const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, widen));
 }
 
 // Four chunks into one accumulator likewise (weights of at most 5 bits: 8 * 31 * 127 = 31496 < 2^15).
-inline __m256i dot_acc4(__m256i acc, const __m256i* u, const int32_t* x) {
+inline __m256i dot_acc4(__m256i acc, const __m256i* u, const int32_t* x, __m256i widen) {
   const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(u[0], _mm256_set1_epi32(x[0])),
                                        _mm256_maddubs_epi16(u[1], _mm256_set1_epi32(x[1])));
   const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(u[2], _mm256_set1_epi32(x[2])),
                                        _mm256_maddubs_epi16(u[3], _mm256_set1_epi32(x[3])));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(p01, p23), _mm256_set1_epi16(1)));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(p01, p23), widen));
 }
 
 inline __m256i bits_to_bytes(uint32_t bits) {
@@ -126,6 +128,10 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
       sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + g * 16)));
       sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + g * 16 + 8)));
     }
+    // u4k8 on the paired paths: sc (6 bits) in both halves of each lane, so the widening yields sc * dot (pair
+    // sums of 4-bit weights stay under 2^14: a super-block's at most 32 widenings add under 32 * 2 * 2^14 * 63)
+    __m256i widen = _mm256_set1_epi16(1);
+    if constexpr (FMT == 5) widen = _mm256_or_si256(sc0, _mm256_slli_epi32(sc0, 16));
     // R rows side by side; one or two rows get two integer accumulators each: independent dot-product chains
     // keep the units busy (one chain of 8 dependent vpdpbusd would wait on its latency). Integer sums are exact
     // in any order, so the chains a tile uses never change a row's bits. u6 always keeps its two halves apart.
@@ -154,7 +160,7 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
         for (int r = 0; r < R; ++r) {
           int32_t f[4];
           std::memcpy(f, xq + r * K + g * GROUP + 4 * c, 16);
-          isum[a][r] = dot_acc4(isum[a][r], u + c, f);
+          isum[a][r] = dot_acc4(isum[a][r], u + c, f, widen);
         }
       }
     } else {  // chunks two by two (both in one half of a u6 group: c / 4 names the half)
@@ -166,7 +172,8 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
           int32_t four0, four1;
           std::memcpy(&four0, xq + r * K + g * GROUP + 4 * c, 4);
           std::memcpy(&four1, xq + r * K + g * GROUP + 4 * c + 4, 4);
-          isum[a][r] = dot_acc2(isum[a][r], u[c], _mm256_set1_epi32(four0), u[c + 1], _mm256_set1_epi32(four1));
+          isum[a][r] = dot_acc2(isum[a][r], u[c], _mm256_set1_epi32(four0), u[c + 1], _mm256_set1_epi32(four1),
+                                widen);
         }
       }
     }
@@ -181,8 +188,8 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
       } else {
         total = A == 2 ? _mm256_add_epi32(isum[0][r], isum[A - 1][r]) : isum[0][r];
       }
-      if constexpr (FMT == 5) {
-        tsum[r] = _mm256_add_epi32(tsum[r], _mm256_mullo_epi32(sc0, total));
+      if constexpr (FMT == 5) {  // sc * dot: already scaled where the widening took sc
+        tsum[r] = _mm256_add_epi32(tsum[r], two || four ? total : _mm256_mullo_epi32(sc0, total));
         continue;
       }
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dv, _mm256_set1_ps(sx[r * G + g])), acc[r]);
@@ -194,12 +201,20 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
         const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + sb * 16)));
         const __m256 dm = _mm256_sub_ps(_mm256_setzero_ps(),
                                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + sb * 16 + 8))));
+        // Tm = sum over the 8 groups of mn * (the group's xq summed), two groups per vpmaddwd: each lane holds its
+        // output's mins of groups j and j + 1 as int16 (6 bits), the row's two sums (|sum| <= 32 * 127) beside
+        __m256i mins[4];
+        for (int p = 0; p < 4; ++p) {
+          const int64_t j = 8 * sb + 2 * p;
+          mins[p] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + j * 16 + 8)),
+                                                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + j * 16 + 24))));
+        }
         for (int r = 0; r < R; ++r) {
           __m256i msum = _mm256_setzero_si256();
-          for (int64_t j = 8 * sb; j < 8 * sb + 8; ++j) {
-            const int32_t* h = hs + (r * G + j) * 2;
-            msum = _mm256_add_epi32(msum, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                reinterpret_cast<const __m128i*>(mn + j * 16 + 8))), _mm256_set1_epi32(h[0] + h[1])));
+          for (int p = 0; p < 4; ++p) {
+            const int32_t* h = hs + (r * G + 8 * sb + 2 * p) * 2;
+            const uint32_t both = static_cast<uint16_t>(h[0] + h[1]) | static_cast<uint32_t>(static_cast<uint16_t>(h[2] + h[3])) << 16;
+            msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[p], _mm256_set1_epi32(static_cast<int>(both))));
           }
           const __m256 s8 = _mm256_set1_ps(sx[r * (G / 8) + sb]);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tsum[r]), _mm256_mul_ps(dd, s8), acc[r]);
