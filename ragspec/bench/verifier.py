@@ -19,7 +19,9 @@ chunks between the integer kernel and the opt-in bf16 prompt copy (`RAGSPEC_GGUF
 with AMX only when `ONEDNN_MAX_CPU_ISA=AVX512_CORE_AMX` is set before the run (ragspec caps it otherwise).
 `--int8-prompt N` likewise switches prompt reads between the integer kernel and the int8 prompt copy
 (`RAGSPEC_GGUF_PROMPT=int8`), prefills only (steps never read the copy), and prints the copy's size.
-`--prompt-kernels N` switches prompt rows between the step kernels and the prompt kernels (`prompt_attention.cpp`;
+`--cache-only N` runs the backend's prefill with the last layer whole and cut to its keys and values in the
+chunks read for the cache alone (`runtime/cache_only.py`), N of each, and says whether the root's logits were the
+same bits. `--prompt-kernels N` switches prompt rows between the step kernels and the prompt kernels (`prompt_attention.cpp`;
 with the int8 copy, `int8_rows.cpp` too). `--step-forward N` runs dtype gguf's steps (1, 4 and 16 rows over 1,024 tokens) on the module tree and on the lean
 step loop (`runtime/step_forward.py`) in turn, N of each, and says whether the logits were the same bits.
 """
@@ -259,6 +261,41 @@ def step_forward_pairs(model: str, rounds: int) -> None:
     switch(1)
 
 
+def cache_only_pairs(model: str, rounds: int, prompts=(353, 538, 1024)) -> None:
+    """dtype gguf's prefill as the backend reads a prompt (its chunks; the last token alone, as a step) with the
+    last layer's o_proj and MLP run (0) and skipped (1) in the chunks read for the cache alone
+    (`runtime/cache_only.py`), alternated; the root's logits compared."""
+    import numpy as np
+    import torch
+
+    from ragspec.decoding.backends.transformers import TransformersBackend
+    from ragspec.models.generator import load_generator
+    from ragspec.runtime.cache_only import switch
+
+    hf, _ = load_generator(model, "cpu", "gguf")
+    rng = np.random.default_rng(0)
+    try:
+        for n in prompts:
+            ms, same = {0: [], 1: []}, True
+            for r in range(rounds + 1):  # a warm-up round first
+                ids, root = rng.integers(100, 30000, n).tolist(), {}
+                for mode in ((0, 1) if r % 2 else (1, 0)):
+                    switch(bool(mode))
+                    backend = TransformersBackend(hf)
+                    t = time.perf_counter()
+                    backend.prefill(ids)
+                    if r:
+                        ms[mode].append((time.perf_counter() - t) * 1000)
+                    root[mode] = backend._root_logits.clone()
+                same &= torch.equal(root[0], root[1])
+            a, b = np.array(ms[0]), np.array(ms[1])
+            print(json.dumps({"prefill_tokens": n, "whole_ms": round(float(np.median(a)), 1),
+                              "cache_only_ms": round(float(np.median(b)), 1), "ratio": round(float(np.median(b / a)), 3),
+                              "pairs": rounds, "same_root_logits": bool(same)}), flush=True)
+    finally:
+        switch(True)
+
+
 def switched_pairs(hf, rounds: int, switch, names, prompts=(353, 1024), sizes=(1, 16, 64), steps: int = 20) -> None:
     """Runs alternated in one process between `switch(0)` and `switch(1)`: prefill of each prompt length in the
     backend's 512-token chunks, then single steps of each size over a 1,024-token context. One JSON line per
@@ -379,6 +416,9 @@ def main(argv=None) -> None:
                         "int8 copy's steps where it runs), N of each")
     p.add_argument("--step-forward", type=int, default=0, metavar="N",
                    help="dtype gguf's steps on the module tree and on the lean step loop, N of each")
+    p.add_argument("--cache-only", type=int, default=0, metavar="N",
+                   help="dtype gguf's prefill with the last layer whole and cut to its keys and values in chunks "
+                        "read for the cache, N of each")
     args = p.parse_args(argv)
     flags = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))))
     print(json.dumps({"utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -393,6 +433,8 @@ def main(argv=None) -> None:
         unpacked_pairs(args.model, args.unpacked)
     elif args.q8k:
         q8k_pairs(args.model, args.q8k)
+    elif args.cache_only:
+        cache_only_pairs(args.model, args.cache_only)
     elif args.prompt_copy:
         prompt_copy_pairs(args.model, args.prompt_copy)
     elif args.int8_prompt:

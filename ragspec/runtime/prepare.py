@@ -59,6 +59,9 @@ def prepare(model, device: str, dtype: str, options: RuntimeOptions | None = Non
         from ragspec.runtime.tree_attention import use_tree_attention
 
         use_tree_attention(model)  # tree steps read grouped key/value heads in place: see the module
+    from ragspec.runtime.cache_only import install as install_cache_only
+
+    install_cache_only(model)  # prompt chunks read for the cache skip the last layer's o_proj and MLP
     return rt
 
 

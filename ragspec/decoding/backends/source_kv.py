@@ -19,6 +19,7 @@ from ragspec.decoding.backends.base import chunks
 from ragspec.decoding.backends.transformers import cache_arg, sliding_window
 from ragspec.decoding.source_cache import SourcePlan, entry_key
 from ragspec.errors import check_cancel
+from ragspec.runtime.cache_only import cache_only
 from ragspec.runtime.model_runtime import runtime_of
 from ragspec.runtime.prompt_mode import prompt_copy
 
@@ -158,7 +159,8 @@ def head_entry(model, store, head: list[int], cancel=None) -> tuple[torch.Tensor
     if entry is not None:
         return entry, True
     cache = _new_cache(model)
-    _forward(model, cache, head, 0, cancel)
+    with cache_only():  # its keys and values are all that is kept
+        _forward(model, cache, head, 0, cancel)
     entry = stack(cache, 0, len(head))
     store.put(key, entry, nbytes(entry), dump)
     return entry, False
@@ -175,7 +177,8 @@ def piece_entry(model, store, head: list[int], piece: list[int], head_kv=None, c
     head_kv = head_entry(model, store, head, cancel)[0] if head_kv is None else head_kv
     cache = _new_cache(model)
     append(cache, head_kv)
-    _forward(model, cache, piece, len(head), cancel)
+    with cache_only():
+        _forward(model, cache, piece, len(head), cancel)
     entry = stack(cache, len(head), len(head) + len(piece))
     store.put(key, entry, nbytes(entry), dump)
     return entry, False

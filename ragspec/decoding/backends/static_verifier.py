@@ -40,6 +40,7 @@ from ragspec.decoding.backends.transformers import TransformersBackend, cache_ar
 from ragspec.decoding.budget import measured_enough
 from ragspec.decoding.tree import DraftTree
 from ragspec.errors import check_cancel
+from ragspec.runtime.cache_only import cache_only
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows a forward runs, padded up; one CUDA graph each
 ROOM = 1024  # slots a generation's region holds beyond its prompt before it moves to one twice as large
@@ -321,7 +322,7 @@ class StaticBackend(TransformersBackend):
         lo = torch.finfo(self.dtype).min
         for a, b in chunks(0, total):
             check_cancel(cancel)
-            with self._turn(), held.lock:
+            with self._turn(), held.lock, cache_only(b < total):  # only the last chunk's logits are read
                 rows = torch.arange(a, b, device=self.device)
                 cols = torch.arange(held.capacity, device=self.device)[None, :] - self.base
                 mask = torch.where((cols >= 0) & (cols <= rows[:, None]), 0.0, lo).to(self.dtype)[None, None]

@@ -20,6 +20,7 @@ from ragspec.decoding.budget import measured_enough
 from ragspec.decoding.sampling import SamplingSettings
 from ragspec.decoding.tree import DraftTree
 from ragspec.errors import check_cancel
+from ragspec.runtime.cache_only import cache_only
 from ragspec.runtime.exact_attention import rows_independent
 from ragspec.runtime.growing_cache import growing, stand_in_context
 from ragspec.runtime.model_runtime import runtime_of
@@ -140,7 +141,9 @@ class TransformersBackend:
         for a, b in chunks(self.cached, split, min_tail=MIN_TAIL if rows_independent(self.model) else 0):
             check_cancel(cancel)
             ids = torch.tensor([prompt_ids[a:b]], device=self.device)
-            with self._turn(), prompt_forward(b < len(prompt_ids)):  # every position but the root's
+            # every position but the root's by role; a chunk without the root is read for the cache alone
+            with self._turn(), prompt_forward(b < len(prompt_ids)), \
+                    cache_only(b < len(prompt_ids) and self.hidden_layer is None):
                 out = self.model(
                     input_ids=ids,
                     **cache_arg(self.model, self.cache),
