@@ -19,8 +19,8 @@ inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
 // 4 * 63 * 127 = 32004), not for s8. On a Zen 3 core this form does 106-132 GOP/s in registers, the one-chunk
 // form 59-74 (vpmaddubsw and vpmaddwd share a unit there).
 // (VNNI builds keep one chunk per instruction: vpdpbusd widens as it adds.)
-// `widen` multiplies the pair sums as they widen: ones, or u4k8's sub-scale per output in both int16 halves of its
-// lane (sc * dot for free, where a separate vpmulld per group and row would cost more than the dot's widening).
+// `widen` multiplies the pair sums as they widen: ones, or u4k8's or u6's sub-scale per output in both int16 halves
+// of its lane (sc * dot for free, where a separate vpmulld per group and row would cost more than the dot's widening).
 inline __m256i dot_acc2(__m256i acc, __m256i u0, __m256i s0, __m256i u1, __m256i s1, __m256i widen) {
   const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, widen));
@@ -130,8 +130,18 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
     }
     // u4k8 on the paired paths: sc (6 bits) in both halves of each lane, so the widening yields sc * dot (pair
     // sums of 4-bit weights stay under 2^14: a super-block's at most 32 widenings add under 32 * 2 * 2^14 * 63)
-    __m256i widen = _mm256_set1_epi16(1);
+    __m256i widen = _mm256_set1_epi16(1), widen1 = widen, scs = widen;
     if constexpr (FMT == 5) widen = _mm256_or_si256(sc0, _mm256_slli_epi32(sc0, 16));
+    // u6 on the paired paths likewise: each half's sc (int8) in both int16 halves of its lanes, so the widening
+    // yields sc * dot without a vpmulld; scs holds (sc0, sc1) per lane for the -32 term (|half sum| <= 2032)
+    if constexpr (FMT == 3) {
+      if (two) {
+        const __m256i lo = _mm256_set1_epi32(0xFFFF);
+        widen = _mm256_or_si256(_mm256_and_si256(sc0, lo), _mm256_slli_epi32(sc0, 16));
+        widen1 = _mm256_or_si256(_mm256_and_si256(sc1, lo), _mm256_slli_epi32(sc1, 16));
+        scs = _mm256_or_si256(_mm256_and_si256(sc0, lo), _mm256_slli_epi32(sc1, 16));
+      }
+    }
     // R rows side by side; one or two rows get two integer accumulators each: independent dot-product chains
     // keep the units busy (one chain of 8 dependent vpdpbusd would wait on its latency). Integer sums are exact
     // in any order, so the chains a tile uses never change a row's bits. u6 always keeps its two halves apart.
@@ -173,7 +183,7 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
           std::memcpy(&four0, xq + r * K + g * GROUP + 4 * c, 4);
           std::memcpy(&four1, xq + r * K + g * GROUP + 4 * c + 4, 4);
           isum[a][r] = dot_acc2(isum[a][r], u[c], _mm256_set1_epi32(four0), u[c + 1], _mm256_set1_epi32(four1),
-                                widen);
+                                FMT == 3 && c >= 4 ? widen1 : widen);
         }
       }
     }
@@ -182,9 +192,15 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
       __m256i total;
       if constexpr (FMT == 3) {
         const int32_t* h = hs + (r * G + g) * 2;
-        total = _mm256_add_epi32(
-            _mm256_mullo_epi32(sc0, _mm256_sub_epi32(isum[0][r], _mm256_set1_epi32(32 * h[0]))),
-            _mm256_mullo_epi32(sc1, _mm256_sub_epi32(isum[A - 1][r], _mm256_set1_epi32(32 * h[1]))));
+        if (two) {  // sc0 * dot0 + sc1 * dot1 - 32 * (sc0 * sum0 + sc1 * sum1): the same integer as below
+          const uint32_t both = static_cast<uint16_t>(h[0]) | static_cast<uint32_t>(static_cast<uint16_t>(h[1])) << 16;
+          const __m256i m = _mm256_madd_epi16(scs, _mm256_set1_epi32(static_cast<int>(both)));
+          total = _mm256_sub_epi32(_mm256_add_epi32(isum[0][r], isum[1][r]), _mm256_slli_epi32(m, 5));
+        } else {
+          total = _mm256_add_epi32(
+              _mm256_mullo_epi32(sc0, _mm256_sub_epi32(isum[0][r], _mm256_set1_epi32(32 * h[0]))),
+              _mm256_mullo_epi32(sc1, _mm256_sub_epi32(isum[A - 1][r], _mm256_set1_epi32(32 * h[1]))));
+        }
       } else {
         total = A == 2 ? _mm256_add_epi32(isum[0][r], isum[A - 1][r]) : isum[0][r];
       }
