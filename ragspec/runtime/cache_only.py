@@ -10,11 +10,12 @@ logits or hidden states.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import weakref
 
 import torch
+
+from ragspec.runtime.prompt_mode import flagged
 
 # decoder layers whose `mlp` maps a tensor to one of its shape (a mixture of experts may return more)
 DENSE = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer", "Gemma2DecoderLayer",
@@ -23,14 +24,9 @@ _ON = contextvars.ContextVar("ragspec_cache_only", default=False)
 _ENABLED = [True]  # switch(): off runs every layer whole, for the benchmark and tests that compare
 
 
-@contextlib.contextmanager
 def cache_only(on: bool = True):
     """Forwards run inside fill the cache only (see the module); `on=False` is a no-op, for conditional use."""
-    token = _ON.set(on)
-    try:
-        yield
-    finally:
-        _ON.reset(token)
+    return flagged(_ON, on)
 
 
 def switch(on: bool) -> None:

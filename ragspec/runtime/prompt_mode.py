@@ -25,13 +25,19 @@ def reading_prompt() -> bool:
 
 
 @contextlib.contextmanager
-def prompt_forward(on: bool = True):
-    """Forwards run inside read prompt positions (all of their rows)."""
-    token = _READING.set(on)
+def flagged(var: contextvars.ContextVar, value):
+    """`var` set to `value` on this thread for the block's forwards, then back (the marks here and in
+    `cache_only.py`)."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _READING.reset(token)
+        var.reset(token)
+
+
+def prompt_forward(on: bool = True):
+    """Forwards run inside read prompt positions (all of their rows)."""
+    return flagged(_READING, on)
 
 
 def prompt_copy(model) -> str | None:

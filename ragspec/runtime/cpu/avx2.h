@@ -35,6 +35,15 @@ inline __m256i dot_acc4(__m256i acc, const __m256i* u, const int32_t* x, __m256i
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(p01, p23), widen));
 }
 
+// Two int16 values in each 32-bit lane, lo in the low half and hi in the high (int32 lanes or values that fit
+// int16): the second operand of a vpmaddwd that multiplies and adds two things at once.
+inline __m256i pack16(__m256i lo, __m256i hi) {
+  return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(hi, 16));
+}
+inline int32_t pack16(int32_t lo, int32_t hi) {
+  return static_cast<int32_t>(static_cast<uint16_t>(lo) | static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16);
+}
+
 inline __m256i bits_to_bytes(uint32_t bits) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
   return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(0x10));
@@ -131,16 +140,11 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
     // u4k8 on the paired paths: sc (6 bits) in both halves of each lane, so the widening yields sc * dot (pair
     // sums of 4-bit weights stay under 2^14: a super-block's at most 32 widenings add under 32 * 2 * 2^14 * 63)
     __m256i widen = _mm256_set1_epi16(1), widen1 = widen, scs = widen;
-    if constexpr (FMT == 5) widen = _mm256_or_si256(sc0, _mm256_slli_epi32(sc0, 16));
+    if constexpr (FMT == 5) widen = pack16(sc0, sc0);
     // u6 on the paired paths likewise: each half's sc (int8) in both int16 halves of its lanes, so the widening
     // yields sc * dot without a vpmulld; scs holds (sc0, sc1) per lane for the -32 term (|half sum| <= 2032)
     if constexpr (FMT == 3) {
-      if (two) {
-        const __m256i lo = _mm256_set1_epi32(0xFFFF);
-        widen = _mm256_or_si256(_mm256_and_si256(sc0, lo), _mm256_slli_epi32(sc0, 16));
-        widen1 = _mm256_or_si256(_mm256_and_si256(sc1, lo), _mm256_slli_epi32(sc1, 16));
-        scs = _mm256_or_si256(_mm256_and_si256(sc0, lo), _mm256_slli_epi32(sc1, 16));
-      }
+      if (two) widen = pack16(sc0, sc0), widen1 = pack16(sc1, sc1), scs = pack16(sc0, sc1);
     }
     // R rows side by side; one or two rows get two integer accumulators each: independent dot-product chains
     // keep the units busy (one chain of 8 dependent vpdpbusd would wait on its latency). Integer sums are exact
@@ -193,8 +197,7 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
       if constexpr (FMT == 3) {
         const int32_t* h = hs + (r * G + g) * 2;
         if (two) {  // sc0 * dot0 + sc1 * dot1 - 32 * (sc0 * sum0 + sc1 * sum1): the same integer as below
-          const uint32_t both = static_cast<uint16_t>(h[0]) | static_cast<uint32_t>(static_cast<uint16_t>(h[1])) << 16;
-          const __m256i m = _mm256_madd_epi16(scs, _mm256_set1_epi32(static_cast<int>(both)));
+          const __m256i m = _mm256_madd_epi16(scs, _mm256_set1_epi32(pack16(h[0], h[1])));
           total = _mm256_sub_epi32(_mm256_add_epi32(isum[0][r], isum[1][r]), _mm256_slli_epi32(m, 5));
         } else {
           total = _mm256_add_epi32(
@@ -229,8 +232,7 @@ void block(int64_t G, const int8_t* xq, const float* sx, const float* xs, const 
           __m256i msum = _mm256_setzero_si256();
           for (int p = 0; p < 4; ++p) {
             const int32_t* h = hs + (r * G + 8 * sb + 2 * p) * 2;
-            const uint32_t both = static_cast<uint16_t>(h[0] + h[1]) | static_cast<uint32_t>(static_cast<uint16_t>(h[2] + h[3])) << 16;
-            msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[p], _mm256_set1_epi32(static_cast<int>(both))));
+            msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[p], _mm256_set1_epi32(pack16(h[0] + h[1], h[2] + h[3]))));
           }
           const __m256 s8 = _mm256_set1_ps(sx[r * (G / 8) + sb]);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tsum[r]), _mm256_mul_ps(dd, s8), acc[r]);
