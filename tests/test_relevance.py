@@ -289,3 +289,47 @@ def test_a_merged_source_is_judged_whole_by_its_chunks_vectors(embedder):
     tol = 1e-4 if embedder.dtype == "float32" else 3e-3  # bf16 vectors round by batch
     assert got.score == pytest.approx((best_window + best_whole) / 2, abs=tol)
     assert [len(w) for w in got.windows] == [3, 1]
+
+
+def test_merged_neighbours_read_only_the_sentences_around_their_seam(embedder):
+    """Neighbouring chunks merged into one source take their chunks' stored windows; the one window across
+    the seam is pooled from the sentences around it (`SEAM_CONTEXT` either side), not from the whole text."""
+    from ragspec.retrieve.windows import SEAM_CONTEXT, _whole, measure, seam_pieces
+
+    first = ("The Danube rises in the Black Forest. It flows east through Vienna. Barges carry grain on it. "
+             "Its water is cold in spring.")
+    second = ("Its delta lies in Romania. The delta is home to pelicans. It ends in the Black Sea. "
+              "Ships reach the sea at Sulina.")
+    merged = SourceText(1, first + " " + second, "rivers.txt")
+    question = "Which sea does the Danube reach?"
+    wholes, wins = embedder.encode_windows([first, second])
+    stored = {_whole(merged): np.stack(wholes)}
+    for text, vectors in zip((first, second), wins):
+        stored.update(zip(windows(SourceText(0, text)), vectors))
+    names = windows(merged)
+    assert [n for n in names if n not in stored] == ["Its water is cold in spring. Its delta lies in Romania."]
+    (piece, k), = seam_pieces(merged.text, names, stored).values()
+    assert piece == ("It flows east through Vienna. Barges carry grain on it. Its water is cold in spring. "
+                     "Its delta lies in Romania. The delta is home to pelicans. It ends in the Black Sea.")
+    assert k == SEAM_CONTEXT == 2
+    pooled = []
+
+    class Counting:  # the real embedder, keeping what it pools
+        def encode(self, texts):
+            return embedder.encode(texts)
+
+        def encode_windows(self, texts):
+            pooled.append(list(texts))
+            return embedder.encode_windows(texts)
+
+    got = measure(Counting(), question, [merged], stored=stored)
+    assert pooled == [[piece]]
+    q = embedder.encode([question])[0]
+    seam = embedder.encode_windows([piece])[1][0][k]
+    vectors = np.stack([seam if n not in stored else stored[n] for n in names])
+    tol = 1e-4 if embedder.dtype == "float32" else 3e-3  # bf16 vectors round by batch
+    assert np.allclose(got.windows[0], vectors @ q, atol=tol)
+    best_whole = float((np.stack(wholes) @ q).max())
+    assert got.score == pytest.approx((float((vectors @ q).max()) + best_whole) / 2, abs=tol)
+    # most windows missing (a passage not from the index): read whole
+    assert seam_pieces(merged.text, names, {}) is None

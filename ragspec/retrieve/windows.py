@@ -5,10 +5,11 @@ Why one place: the gate scores the sources by their best window and best whole s
 best windows; both compare the question with the same vectors, so one measurement serves both. A window's vector
 is pooled from its source's own forward (late chunking, `Embedder.encode_windows`): an index built by this
 ragspec stores every chunk's window vectors (`index.windows`) and every chunk's own vector, so a source that is
-one index chunk costs the ask no forward but the question's. Any other source (neighbouring chunks merged, a cut
-source, a given passage, a chunk of an index built before) is read in one forward of its text, remembered across
-asks (`PooledMemo`). Merged neighbours still take their chunks' own vectors as their whole (the best cosine of
-them). An index built before stores none: it still answers, and says once how to add them.
+one index chunk costs the ask no forward but the question's. Neighbouring chunks merged into one source take
+their chunks' stored windows and vectors (the best cosine of them as their whole); only a window across a seam
+between two chunks is read, in a forward of a few sentences around it. Any other source (a given passage, a cut
+source, a chunk of an index built before) is read in one forward of its text. Both are remembered across asks
+(`PooledMemo`). An index built before stores none: it still answers, and says once how to add them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ragspec.console import warn
-from ragspec.corpus.windows import window_texts
+from ragspec.corpus.windows import sentence_spans, window_runs, window_texts
 
 
 def windows(s) -> list[str]:
@@ -81,20 +82,29 @@ def measure(embedder, question: str, sources, wholes: bool = True, lock: threadi
     def complete(s, ws) -> bool:
         return all(w in known for w in ws) and (not wholes or _whole(s) in known)
 
-    todo = [s.text for s, ws in zip(sources, per) if ws and not complete(s, ws)]
+    # a source whose whole and all but its seams' windows are stored (neighbouring chunks merged) reads only
+    # each seam's neighbourhood; any other incomplete source is read whole
+    seams = {s.text: seam_pieces(s.text, ws, known) for s, ws in zip(sources, per)
+             if ws and not complete(s, ws) and (not wholes or _whole(s) in known)}
+    seams = {t: p for t, p in seams.items() if p is not None}
+    todo = [s.text for s, ws in zip(sources, per) if ws and not complete(s, ws) and s.text not in seams]
+    pieces = [piece for p in seams.values() for piece, _ in p.values()]
     with lock or contextlib.nullcontext():
         q = np.asarray(embedder.encode([question]), dtype=np.float32)[0]
+        texts = todo + pieces
         if memo is not None:
-            pooled = memo.pool(embedder, todo) if todo else {}
+            pooled = memo.pool(embedder, texts) if texts else {}
         else:
-            got = embedder.encode_windows(list(dict.fromkeys(todo))) if todo else ([], [])
-            pooled = dict(zip(dict.fromkeys(todo), zip(*got)))
+            got = embedder.encode_windows(list(dict.fromkeys(texts))) if texts else ([], [])
+            pooled = dict(zip(dict.fromkeys(texts), zip(*got)))
+    if seams:  # the seams' windows join the stored ones
+        known = {**known, **{name: pooled[piece][1][k] for p in seams.values() for name, (piece, k) in p.items()}}
     out, best_window, best_whole = [], -1.0, -1.0
     for s, ws in zip(sources, per):
         if not ws:
             out.append(np.zeros(0, dtype=np.float32))
             continue
-        if s.text in pooled:
+        if s.text in pooled and s.text not in seams:
             whole, wins = pooled[s.text]
             whole = known.get(_whole(s), whole)  # merged neighbours: their chunks' own vectors
         else:
@@ -105,6 +115,27 @@ def measure(embedder, question: str, sources, wholes: bool = True, lock: threadi
         if wholes and whole is not None:
             best_whole = max(best_whole, float(np.max(np.asarray(whole, np.float32) @ q)))
     return Measured((best_window + best_whole) / 2 if wholes else None, out)
+
+
+SEAM_CONTEXT = 2  # sentences read on each side of a seam's window
+
+
+def seam_pieces(text: str, names: list[str], known) -> dict[str, tuple[str, int]] | None:
+    """For each window of `text` that `known` lacks, the piece of text read for it (the window and up to
+    `SEAM_CONTEXT` sentences either side) and the window's index among the piece's: a seam between stored
+    chunks costs a forward of a few sentences, not of the whole merged source. None when most windows are
+    missing (a source not from the index: read whole)."""
+    missing = [i for i, n in enumerate(names) if n not in known]
+    if not missing or 2 * len(missing) > len(names):
+        return None
+    spans = sentence_spans(text)
+    runs = window_runs(len(spans))
+    out = {}
+    for i in missing:
+        a, b = runs[i]
+        first, last = max(0, a - SEAM_CONTEXT), min(len(spans) - 1, b + SEAM_CONTEXT)
+        out[names[i]] = (text[spans[first][0]:spans[last][1]], i - first)
+    return out
 
 
 def chunk_ids(s) -> list[int]:
