@@ -134,7 +134,10 @@ def seam_pieces(text: str, names: list[str], known) -> dict[str, tuple[str, int]
     for i in missing:
         a, b = runs[i]
         first, last = max(0, a - SEAM_CONTEXT), min(len(spans) - 1, b + SEAM_CONTEXT)
-        out[names[i]] = (text[spans[first][0]:spans[last][1]], i - first)
+        piece = text[spans[first][0]:spans[last][1]]
+        if window_texts(piece)[i - first:i - first + 1] != [names[i]]:  # the piece splits otherwise: read whole
+            return None
+        out[names[i]] = (piece, i - first)
     return out
 
 
