@@ -5,8 +5,8 @@ Each question is prepared as `Pipeline.ask` would (retrieval, the relevance gate
 built with the generator's tokenizer). `--budgets off,256,512` prepares every question under each budget side
 by side; `--ttft` also asks it (one new token, after a warm-up ask) for the time to first token, the budgets
 interleaved per question, so each ratio is measured in one run; each of those asks is a user's first over its
-sources (asked before the counts are prepared, the gate's remembered windows forgotten). `--pipeline FILE` sets the pipeline (e.g.
-`retriever: {merge: false, containment: null}` for "before").
+sources (asked before the counts are prepared, the gate's remembered windows forgotten). `--pipeline FILE` sets
+the pipeline (e.g. `retriever: {merge: false, containment: null}` for "before").
 Usage: python examples/source_stats.py INDEX [--pipeline FILE] [--budgets off,256,512] [--ttft] [--json OUT]
 """
 
