@@ -84,10 +84,14 @@ def measure(embedder, question: str, sources, wholes: bool = True, lock: threadi
 
     # a source whose whole and all but its seams' windows are stored (neighbouring chunks merged) reads only
     # each seam's neighbourhood; any other incomplete source is read whole
-    seams = {s.text: seam_pieces(s.text, ws, known) for s, ws in zip(sources, per)
-             if ws and not complete(s, ws) and (not wholes or _whole(s) in known)}
-    seams = {t: p for t, p in seams.items() if p is not None}
-    todo = [s.text for s, ws in zip(sources, per) if ws and not complete(s, ws) and s.text not in seams]
+    seams, todo = {}, []
+    for s, ws in zip(sources, per):
+        if ws and not complete(s, ws):
+            p = seam_pieces(s.text, ws, known) if not wholes or _whole(s) in known else None
+            if p is None:
+                todo.append(s.text)
+            else:
+                seams[s.text] = p
     pieces = [piece for p in seams.values() for piece, _ in p.values()]
     with lock or contextlib.nullcontext():
         q = np.asarray(embedder.encode([question]), dtype=np.float32)[0]
